@@ -1,0 +1,82 @@
+"""Drafter checkpoints: a Hugging Face style directory with config.json and model.safetensors.
+
+Only the drafter's own weights are stored; embeddings, LM head and TLI layers are the target's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import vllm_moa
+from vllm_moa.model.config import MoAConfig, TargetShape
+from vllm_moa.model.moa import MoADrafter
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def save_drafter(drafter: MoADrafter, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = drafter.config.to_dict()
+    config["vllm_moa_version"] = vllm_moa.__version__
+    config["torch_dtype"] = str(drafter.Ekv2E.weight.dtype).removeprefix("torch.")
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+    save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})
+    return out
+
+
+def load_config(path: str | Path) -> MoAConfig:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"drafter directory {path} does not exist")
+    if not path.is_dir():
+        raise ValueError(f"drafter path {path} is not a directory")
+    return MoAConfig.load(path / CONFIG_NAME)
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no weights file {path}")
+    try:
+        return load_file(str(path))
+    except Exception as e:  # safetensors raises its own error type for corrupt files
+        raise ValueError(f"cannot read {path}: corrupt or not a safetensors file ({e})") from None
+
+
+def load_drafter(
+    path: str | Path,
+    target: TargetShape | None = None,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+) -> MoADrafter:
+    """Load a drafter directory; with `target`, check it was built for that target's shape."""
+    path = Path(path)
+    config = load_config(path)
+    if target is not None:
+        config.check_target(target)
+    state = load_state_dict(path / WEIGHTS_NAME)
+    drafter = MoADrafter(config)
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{path / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"{path / WEIGHTS_NAME}: {name} has shape {tuple(tensor.shape)}, config implies "
+                f"{tuple(expected[name].shape)}"
+            )
+    drafter.load_state_dict(state)
+    if dtype is not None:
+        drafter = drafter.to(dtype)
+    return drafter.to(device).eval()

@@ -1,0 +1,1 @@
+"""The `vllm-moa` command line."""

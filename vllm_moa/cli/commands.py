@@ -1,0 +1,168 @@
+"""What each `vllm-moa` subcommand does (argument parsing lives in main.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device} asked for, but CUDA is not available; use --device cpu")
+    if args.dtype == "auto":
+        return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return device, _DTYPES[args.dtype]
+
+
+def init_drafter(args: argparse.Namespace) -> int:
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.model import MoADrafter, count_parameters, make_config
+    from vllm_moa.target import load_target_info
+
+    info = load_target_info(args.target)
+    config = make_config(info, preset=args.preset, tli=args.tli)
+    drafter = MoADrafter(config)
+    drafter.init_weights(args.seed)
+    out = save_drafter(drafter, args.out)
+    params = count_parameters(drafter)["total"]
+    print(f"wrote {args.preset} MoA drafter (TLI={args.tli}, {params:,} parameters) to {out}")
+    return 0
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None:
+        return str(args.prompt)
+    path = Path(args.prompt_file)
+    if not path.is_file():
+        raise FileNotFoundError(f"prompt file {path} does not exist")
+    return path.read_text()
+
+
+def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
+    ids: set[int] = set()
+    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, (list, tuple)):
+            ids.update(int(i) for i in source)
+    return sorted(ids)
+
+
+def run_generation(
+    target_dir: str,
+    drafter_dir: str | None,
+    prompt: str,
+    *,
+    chat: bool = False,
+    max_new_tokens: int,
+    sampling: Any = None,
+    num_speculative_tokens: int = 4,
+    seed: int | None = None,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> dict[str, Any]:
+    """Load target (+ drafter), generate, and return the CLI's JSON record."""
+    from transformers import AutoTokenizer
+
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine
+    from vllm_moa.target import HFTarget
+
+    sampling = sampling or SamplingParams()
+    target = HFTarget.from_pretrained(target_dir, dtype=dtype, device=device)
+    proposer = None
+    if drafter_dir is not None:
+        drafter = load_drafter(drafter_dir, target=target.shape, dtype=dtype, device=device)
+        proposer = MoAProposer(drafter, target)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    if chat:
+        if not tokenizer.chat_template:
+            raise ValueError(f"--chat given but the tokenizer in {target_dir} has no chat template")
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    engine = SpeculativeEngine(target, proposer)
+    result = engine.generate(
+        list(ids),
+        max_new_tokens,
+        sampling,
+        num_speculative_tokens=num_speculative_tokens,
+        eos_token_ids=_eos_ids(tokenizer, target.model),
+        seed=seed,
+    )
+    record: dict[str, Any] = {
+        "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "token_ids": result.token_ids,
+        "prompt_tokens": len(ids),
+        "finish_reason": result.finish_reason,
+        "speculative": proposer is not None,
+    }
+    record.update(result.stats.to_dict())
+    return record
+
+
+def _print_stats(record: dict[str, Any], file: Any = sys.stdout) -> None:
+    hist = record["accepted_length_histogram"]
+    rates = ", ".join(f"{r:.2f}" for r in record["acceptance_rate_per_position"])
+    print(
+        f"[{record['num_generated_tokens']} tokens, {record['target_calls']} target calls, "
+        f"tau={record['mean_accepted_length']:.2f}, histogram={hist}, "
+        f"per-position acceptance=[{rates}], {record['tokens_per_second']:.1f} tok/s, "
+        f"finish={record['finish_reason']}]",
+        file=file,
+    )
+
+
+def generate(args: argparse.Namespace) -> int:
+    from vllm_moa.decoding import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    device, dtype = _runtime(args)
+    record = run_generation(
+        args.target,
+        args.drafter,
+        _read_prompt(args),
+        chat=args.chat,
+        max_new_tokens=args.max_new_tokens,
+        sampling=sampling,
+        num_speculative_tokens=args.num_speculative_tokens,
+        seed=args.seed,
+        device=device,
+        dtype=dtype,
+    )
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(record["text"])
+        _print_stats(record, file=sys.stderr)
+    return 0
+
+
+def convert(args: argparse.Namespace) -> int:
+    from vllm_moa.checkpoint import ConvertOptions, convert_official
+    from vllm_moa.target import load_target_info
+
+    target = load_target_info(args.target).shape if args.target else None
+    opts = ConvertOptions(
+        tli=args.tli, lsa_head_dim=args.lsa_head_dim, head_dim=args.head_dim, target=target
+    )
+    out = convert_official(args.src, args.dst, opts)
+    print(f"converted {args.src} -> {out}")
+    return 0
+
+
+def demo(args: argparse.Namespace) -> int:
+    from vllm_moa.demo import run_demo
+
+    return run_demo(args.cache_dir, args.prompt, args.max_new_tokens, args.num_speculative_tokens)

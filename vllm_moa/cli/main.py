@@ -1,0 +1,108 @@
+"""`vllm-moa`: command-line entry point. Each subcommand maps its flags onto one function."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from vllm_moa.cli import commands
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        help="model dtype (auto: bfloat16 on CUDA, float32 on CPU)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-moa", description="Mixture of Attentions speculative decoding"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("init-drafter", help="write a randomly initialised drafter for a target")
+    p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
+    p.add_argument("--out", required=True, help="output drafter directory")
+    p.add_argument("--tli", type=_non_negative_int, default=0, help="target layers to reuse")
+    p.add_argument("--preset", choices=["small", "paper"], default="paper")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=commands.init_drafter)
+
+    p = sub.add_parser("generate", help="generate from a prompt (speculative with --drafter)")
+    p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
+    p.add_argument("--drafter", default=None, help="MoA drafter directory; omit to decode plainly")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file whose whole content is the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-new-tokens", type=_positive_int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=4, help="K")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_runtime_flags(p)
+    p.set_defaults(func=commands.generate)
+
+    p = sub.add_parser("convert-official", help="import the authors' released checkpoint")
+    p.add_argument("src", help="official checkpoint directory")
+    p.add_argument("dst", help="output drafter directory")
+    p.add_argument("--target", default=None, help="target directory (for its exact shape)")
+    p.add_argument("--tli", type=_non_negative_int, default=None)
+    p.add_argument("--head-dim", type=_positive_int, default=None, help="SA/CA head size")
+    p.add_argument("--lsa-head-dim", type=_positive_int, default=64)
+    p.set_defaults(func=commands.convert)
+
+    p = sub.add_parser("demo", help="build the tiny default target + drafter and generate")
+    p.add_argument("--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa")
+    p.add_argument("--prompt", default="def fibonacci(n):")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=48)
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=4)
+    p.set_defaults(func=commands.demo)
+    return parser
+
+
+def _quiet_libraries() -> None:
+    """Keep the CLI's output to what it prints: no library progress bars or notices."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _quiet_libraries()
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, TypeError, OSError) as e:
+        if os.environ.get("VLLM_MOA_DEBUG"):
+            raise
+        message = " ".join(str(e).split())  # one line, whatever the exception held
+        print(f"vllm-moa {args.command}: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

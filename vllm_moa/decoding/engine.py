@@ -1,0 +1,173 @@
+"""The standalone speculative engine: chain drafting, lossless verification, one sequence.
+
+Without a proposer the same loop is plain autoregressive decoding, the baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from vllm_moa.decoding.proposer import Proposer
+from vllm_moa.decoding.sampling import (
+    SamplingParams,
+    Verdict,
+    probabilities,
+    sample,
+    verify_greedy,
+    verify_rejection,
+)
+from vllm_moa.decoding.stats import GenerationStats
+from vllm_moa.target.adapter import HFTarget, TargetOutput
+
+RejectionVerifier = Callable[
+    [list[int], torch.Tensor, torch.Tensor, "torch.Generator | None"], Verdict
+]
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids only (an EOS that ended generation included)
+    finish_reason: str  # "eos" | "length" (max_new_tokens) | "context" (model's max length)
+    stats: GenerationStats
+
+
+def _rows(out: TargetOutput, n: int) -> TargetOutput:
+    """The first n rows of a target pass (the kept positions)."""
+    return TargetOutput(
+        logits=out.logits[:n],
+        layer_kv=out.layer_kv[:n],
+        hidden_states={k: v[:n] for k, v in out.hidden_states.items()},
+    )
+
+
+class SpeculativeEngine:
+    def __init__(
+        self,
+        target: HFTarget,
+        proposer: Proposer | None = None,
+        rejection_verifier: RejectionVerifier = verify_rejection,
+    ) -> None:
+        self.target = target
+        self.proposer = proposer
+        # Injectable so tests can prove the distribution test catches a broken verifier.
+        self.rejection_verifier = rejection_verifier
+
+    def _check_request(
+        self, prompt_ids: Sequence[int], max_new_tokens: int, num_speculative_tokens: int
+    ) -> None:
+        vocab = self.target.shape.vocab_size
+        if not prompt_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if self.proposer is not None and num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        limit = self.target.max_length
+        if len(prompt_ids) >= limit:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the model's context is {limit}: "
+                f"shorten it to at most {limit - 1} tokens"
+            )
+
+    def _pick(
+        self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    ) -> int:
+        if params.greedy:
+            return int(logits.argmax().item())  # device sync
+        return sample(probabilities(logits, params), gen)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        params: SamplingParams | None = None,
+        num_speculative_tokens: int = 4,
+        eos_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ) -> GenerationResult:
+        params = params or SamplingParams()
+        self._check_request(prompt_ids, max_new_tokens, num_speculative_tokens)
+        target, proposer = self.target, self.proposer
+        gen = torch.Generator(device=target.device)
+        gen.manual_seed(seed) if seed is not None else gen.seed()
+        k_max = num_speculative_tokens if proposer is not None else 0
+        stats = GenerationStats(k_max)
+        hidden_layers = proposer.hidden_layers if proposer is not None else ()
+        eos = set(eos_token_ids)
+        t0 = time.perf_counter()
+
+        target.reset()
+        prompt = list(prompt_ids)
+        out = target.forward(torch.tensor(prompt), hidden_layers)
+        stats.num_target_calls += 1
+        generated = [self._pick(out.logits[-1], params, gen)]
+        if proposer is not None:
+            proposer.start(prompt, out)
+        finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
+        while finish is None:
+            last = generated[-1]
+            position = len(prompt) + len(generated) - 1  # of `last`, not yet run by the target
+            k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
+            if k >= 1 and proposer is not None:
+                new = self._speculate(last, position, k, params, gen, stats)
+            else:  # plain decoding, or the final token where no draft can fit
+                out = target.forward(torch.tensor([last]), hidden_layers)
+                stats.record_cycle(0, 0)
+                new = [self._pick(out.logits[-1], params, gen)]
+            for token in new:
+                generated.append(token)
+                finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
+                if finish is not None:
+                    break
+            if finish is None and k < 1 and proposer is not None:
+                raise RuntimeError("internal: a plain step with a proposer must be the last one")
+
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.wall_time_s = time.perf_counter() - t0
+        stats.num_generated_tokens = len(generated)
+        return GenerationResult(token_ids=generated, finish_reason=finish, stats=stats)
+
+    def _speculate(
+        self,
+        last: int,
+        position: int,
+        k: int,
+        params: SamplingParams,
+        gen: torch.Generator,
+        stats: GenerationStats,
+    ) -> list[int]:
+        """One draft + verify cycle from `last` at `position`; returns the emitted tokens."""
+        assert self.proposer is not None
+        proposal = self.proposer.propose(last, k, params, gen)
+        out = self.target.forward(torch.tensor([last, *proposal.tokens]), self.proposer.hidden_layers)
+        if params.greedy:
+            verdict = verify_greedy(proposal.tokens, out.logits)
+        else:
+            assert proposal.probs is not None
+            target_probs = probabilities(out.logits, params)
+            verdict = self.rejection_verifier(proposal.tokens, proposal.probs, target_probs, gen)
+        a = verdict.num_accepted
+        self.target.crop(position + a + 1)
+        self.proposer.accept(proposal.tokens[:a], _rows(out, a + 1))
+        stats.record_cycle(k, a)
+        return [*proposal.tokens[:a], verdict.next_token]
+
+    def _finish_reason(
+        self, generated: list[int], prompt_len: int, max_new_tokens: int, eos: set[int]
+    ) -> str | None:
+        if generated[-1] in eos:
+            return "eos"
+        if len(generated) >= max_new_tokens:
+            return "length"
+        if prompt_len + len(generated) >= self.target.max_length:
+            return "context"
+        return None

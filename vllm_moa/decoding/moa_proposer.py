@@ -1,0 +1,129 @@
+"""Incremental MoA drafting for one sequence.
+
+State between cycles (p = number of tokens the target has verified):
+- CA memory: keys/values of rows 0..p-1. Each verified token goes through LSA exactly once,
+  when its verification cycle ends (the prompt at prefill).
+- SA KV cache: positions whose SA input is known to be right (verified tokens).
+- tokens: the verified tokens 0..p-1.
+
+A cycle drafts from the last token (position p, sampled by the target but not yet run through
+it): SA over the pending tokens, CA over the memory, then TLI's target tail layers (their draft
+K/V are cropped off the target cache afterwards) and the target's LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moa.decoding.proposer import DraftProposal, choose_token
+from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.model.kv_cache import KVCache
+from vllm_moa.model.moa import MoADrafter
+from vllm_moa.target.adapter import HFTarget, TargetOutput
+
+
+class MoAProposer:
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, drafter: MoADrafter, target: HFTarget) -> None:
+        drafter.config.check_target(target.shape)
+        self.drafter = drafter.eval()
+        self.target = target
+        self.tli = drafter.config.tli
+        self.sa_cache = KVCache(1)
+        self.memory = KVCache(1)  # CA keys/values of the LSA memory rows
+        self.tokens: list[int] = []
+        self._last_token: int | None = None  # proposed from, awaiting accept()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.drafter.Ekv2E.weight.dtype
+
+    @property
+    def verified_len(self) -> int:
+        return self.memory.length()
+
+    def start(self, prompt_ids: list[int], prefill: TargetOutput) -> None:
+        self.sa_cache.reset()
+        self.memory.reset()
+        self.tokens = list(prompt_ids)
+        self._last_token = None
+        self._extend_memory(prefill.layer_kv)
+
+    @torch.no_grad()
+    def _extend_memory(self, layer_kv: torch.Tensor) -> None:
+        """LSA + mean + Ekv2E on the newly verified rows [n, L, 2*E_kv], appended to memory."""
+        start = self.memory.length()
+        memory = self.drafter.encode_memory(layer_kv.to(self.dtype))  # [n, E]
+        positions = torch.arange(start, start + memory.shape[0], device=memory.device)
+        k, v = self.drafter.memory_kv(memory[None], positions)
+        self.memory.update(k, v, 0)
+
+    @torch.no_grad()
+    def draft_logits(self, position: int) -> torch.Tensor:
+        """Drafter logits [V] predicting token position + 1, given tokens[0..position]."""
+        first = self.sa_cache.length()
+        device = self.target.device
+        ids = torch.tensor(self.tokens[first : position + 1], device=device)
+        positions = torch.arange(first, position + 1, device=device)
+        sa = self.drafter.self_attention
+        emb = self.target.embed(ids).to(self.dtype)[None]  # [1, n, E]
+        k, v = sa.kv_from(emb, positions)
+        k, v = self.sa_cache.update(k, v, 0)
+        last = positions[-1:]
+        # Only the last query is needed; it sees every cached key (all at positions <= it).
+        h = sa(emb[:, -1:], last, k, v, None)
+        mem_k, mem_v = self.memory.get(0)
+        # Every memory row (< verified_len <= position) is visible to a drafted position.
+        h = self.drafter.cross_attention(h, last, mem_k, mem_v, None)[0]  # [1, E]
+        if self.tli:
+            h = self.target.run_tail_layers(h, last, self.tli)
+        return self.target.lm_logits(h.to(self.target.dtype))[0]
+
+    def propose(
+        self,
+        last_token: int,
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftProposal:
+        p = self.verified_len
+        if len(self.tokens) != p or self.target.seq_len != p:
+            raise RuntimeError(
+                f"proposer out of sync: {len(self.tokens)} tokens, memory {p}, "
+                f"target cache {self.target.seq_len}"
+            )
+        self.tokens.append(last_token)
+        drafts: list[int] = []
+        logits, probs = [], []
+        for i in range(num_tokens):
+            row = self.draft_logits(p + i)
+            token, dist = choose_token(row, params, generator)
+            drafts.append(token)
+            self.tokens.append(token)
+            logits.append(row)
+            if dist is not None:
+                probs.append(dist)
+        del self.tokens[p:]  # only verified tokens stay; accept() appends what the target kept
+        self._last_token = last_token
+        if self.tli:
+            self.target.crop(p)  # drop the TLI layers' draft K/V
+        return DraftProposal(
+            tokens=drafts,
+            logits=torch.stack(logits) if logits else torch.empty(0),
+            probs=torch.stack(probs) if probs else None,
+        )
+
+    def accept(self, accepted: list[int], verified: TargetOutput) -> None:
+        """`verified` holds the target rows of the last token and the accepted drafts."""
+        if verified.layer_kv.shape[0] != len(accepted) + 1:
+            raise ValueError(
+                f"accept() needs {len(accepted) + 1} verified rows, got {verified.layer_kv.shape[0]}"
+            )
+        if self._last_token is None:
+            raise RuntimeError("accept() called without a preceding propose()")
+        self._extend_memory(verified.layer_kv)
+        self.tokens.extend([self._last_token, *accepted])
+        self._last_token = None
+        # SA K/V is valid where its input token was the accepted one: positions < verified_len.
+        self.sa_cache.crop(len(self.tokens))

@@ -1,0 +1,52 @@
+"""What the engine asks of a drafter, whatever its architecture."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from vllm_moa.decoding.sampling import SamplingParams, probabilities
+from vllm_moa.target.adapter import TargetOutput
+
+
+@dataclass
+class DraftProposal:
+    tokens: list[int]  # [K] drafted token ids
+    logits: torch.Tensor  # [K, V] float32 raw drafter logits
+    probs: torch.Tensor | None  # [K, V] distributions the drafts were sampled from; None if greedy
+
+
+class Proposer(Protocol):
+    """A drafter with incremental state, driven by the engine once per verification cycle.
+
+    Protocol: `start` after the prefill; then per cycle `propose` K drafts after the last token,
+    the target verifies them, and `accept` reports the accepted drafts with the target's output
+    rows for the kept positions (the proposer's last token plus the accepted drafts).
+    """
+
+    hidden_layers: tuple[int, ...]  # target hidden states the proposer needs in TargetOutput
+
+    def start(self, prompt_ids: list[int], prefill: TargetOutput) -> None: ...
+
+    def propose(
+        self,
+        last_token: int,
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftProposal: ...
+
+    def accept(self, accepted: list[int], verified: TargetOutput) -> None: ...
+
+
+def choose_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
+    """Pick a draft token from drafter logits [V]: argmax when greedy, else sample from the
+    processed distribution (returned, since verification needs it)."""
+    if params.greedy:
+        return int(logits.argmax().item()), None  # device sync
+    probs = probabilities(logits, params)
+    return int(torch.multinomial(probs, 1, generator=generator).item()), probs

@@ -1,0 +1,156 @@
+"""Building blocks of the drafter: RMSNorm, rotary embeddings, GQA attention, SwiGLU, decoder block.
+
+Shapes: B batch (tokens for LSA), T queries, S keys, H query heads, Hkv KV heads, D head size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 as Llama does; cast back so bf16 weights keep bf16 activations.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(
+    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of shape [S, D] for integer positions [S] (rotate-half convention)."""
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # [S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, S, D]; cos/sin: [S, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax attention in fp32 with grouped KV heads.
+
+    q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: bool, broadcastable to [B, H, T, S], True = may
+    attend. A query row with no visible key outputs zeros (instead of NaN), so fully masked rows
+    are safe in training too.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if mask is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        # A finite fill keeps gradients finite on empty rows; multiplying by the mask zeroes them.
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = scores.softmax(dim=-1) * mask
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+class Attention(nn.Module):
+    """GQA attention whose keys/values may come from another stream (self or cross attention)."""
+
+    def __init__(self, width: int, num_heads: int, num_kv_heads: int, rope_theta: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = width // num_heads
+        self.rope_theta = rope_theta
+        self.q_proj = nn.Linear(width, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, width, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.unflatten(-1, (n, self.head_dim)).transpose(1, 2)  # [B, n, S, D]
+
+    def project_kv(
+        self, source: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """source: [B, S, W] (already normalised), positions: [S] -> k, v: [B, Hkv, S, D]."""
+        k = self._heads(self.k_proj(source), self.num_kv_heads)
+        v = self._heads(self.v_proj(source), self.num_kv_heads)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, k.dtype)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, W], already normalised
+        positions: torch.Tensor,  # [T]
+        k: torch.Tensor,  # [B, Hkv, S, D]
+        v: torch.Tensor,  # [B, Hkv, S, D]
+        mask: torch.Tensor | None,  # bool [T, S] or [B, 1, T, S]; None = full
+    ) -> torch.Tensor:
+        q = self._heads(self.q_proj(x), self.num_heads)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        out = masked_attention(apply_rope(q, cos, sin), k, v, mask)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).flatten(-2))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, width: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(width, intermediate, bias=False)
+        self.up_proj = nn.Linear(width, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm decoder layer (Llama layout) whose attention keys may come from any stream.
+
+    For self-attention the keys are `kv_from(x)`; for cross-attention they are `kv_from(memory)`:
+    `input_layernorm` is shared by the query and the key/value streams, as in the MoA release.
+    """
+
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        num_kv_heads: int,
+        intermediate: int,
+        rope_theta: float,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(width, eps)
+        self.self_attn = Attention(width, num_heads, num_kv_heads, rope_theta)
+        self.post_attention_layernorm = RMSNorm(width, eps)
+        self.mlp = SwiGLU(width, intermediate)
+
+    def kv_from(
+        self, source: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """source: [B, S, W] -> k, v: [B, Hkv, S, D] (normalised, projected, rotated)."""
+        return self.self_attn.project_kv(self.input_layernorm(source), positions)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, W]
+        positions: torch.Tensor,  # [T]
+        k: torch.Tensor,  # [B, Hkv, S, D]
+        v: torch.Tensor,  # [B, Hkv, S, D]
+        mask: torch.Tensor | None,  # bool [T, S] or [B, 1, T, S]
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, k, v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))

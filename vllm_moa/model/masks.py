@@ -1,0 +1,40 @@
+"""Attention masks of the drafter. Every mask is bool, True = the query may attend to the key.
+
+Memory row j of the Cross-Attention is the LSA summary of the target's K|V at token position j.
+A query at position i predicts the target's hidden state at i (hence token i + 1); the target has
+not processed token i yet when drafting it, so a query may only see rows j < memory_limit[i] <= i.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def causal_mask(q_positions: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """[T, S]: query at absolute position p sees keys 0..p (keys are positions 0..S-1)."""
+    keys = torch.arange(num_keys, device=q_positions.device)
+    return keys[None, :] <= q_positions[:, None]
+
+
+def memory_mask(memory_limit: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[T, S]: query t sees memory rows j < memory_limit[t]."""
+    rows = torch.arange(num_rows, device=memory_limit.device)
+    return rows[None, :] < memory_limit[:, None]
+
+
+def bounded_memory_limits(seq_len: int, prompt_len: int, refresh_every: int) -> torch.Tensor:
+    """Memory limits [seq_len] of the K-step bounded Cross-Attention used in training.
+
+    Prompt positions see every earlier row (limit = i). Response positions are grouped in cycles
+    of `refresh_every` tokens starting at `prompt_len`; every query of a cycle sees only the rows
+    before the cycle's first position, exactly as drafted tokens do between two verifications.
+    """
+    if refresh_every < 1:
+        raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
+    if not 0 <= prompt_len <= seq_len:
+        raise ValueError(f"prompt_len must be in [0, seq_len={seq_len}], got {prompt_len}")
+    i = torch.arange(seq_len)
+    cycle_start = prompt_len + torch.div(i - prompt_len, refresh_every, rounding_mode="floor") * (
+        refresh_every
+    )
+    return torch.where(i < prompt_len, i, cycle_start)

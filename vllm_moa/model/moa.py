@@ -1,0 +1,107 @@
+"""The Mixture of Attentions drafter: LSA + mean + Ekv2E builds the memory, SA + CA draft.
+
+The module holds only the drafter's own weights. The target's token embeddings, LM head and (for
+TLI > 0) its last layers are used through the target adapter, never copied here; see
+`vllm_moa.decoding.moa_proposer` for incremental inference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_moa.model.config import MoAConfig
+from vllm_moa.model.layers import DecoderBlock
+from vllm_moa.model.masks import causal_mask, memory_mask
+
+
+class MoADrafter(nn.Module):
+    # Submodule names follow the authors' release so its checkpoints map one to one.
+    def __init__(self, config: MoAConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        width, hidden = c.lsa_width, c.target_hidden_size
+        self.layer_self_attention = DecoderBlock(
+            width,
+            c.lsa_num_heads,
+            c.lsa_num_kv_heads,
+            c.lsa_intermediate_size,
+            c.lsa_rope_theta,
+            c.rms_norm_eps,
+        )
+        self.Ekv2E = nn.Linear(width, hidden, bias=True)
+        self.self_attention = DecoderBlock(
+            hidden,
+            c.sa_num_heads,
+            c.sa_num_kv_heads,
+            c.sa_intermediate_size,
+            c.rope_theta,
+            c.rms_norm_eps,
+        )
+        self.cross_attention = DecoderBlock(
+            hidden,
+            c.ca_num_heads,
+            c.ca_num_kv_heads,
+            c.ca_intermediate_size,
+            c.rope_theta,
+            c.rms_norm_eps,
+        )
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic random initialisation (normal(0, std) matrices, unit norms, zero bias)."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in sorted(self.named_parameters()):
+                if name.endswith("layernorm.weight"):
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def encode_memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
+        """LSA over the layer axis, mean over layers, Ekv2E.
+
+        layer_kv: [N, L, 2*E_kv] (post-RoPE K|V of every target layer per token; tokens are
+        independent) -> memory [N, E].
+        """
+        lsa = self.layer_self_attention
+        layers = torch.arange(layer_kv.shape[1], device=layer_kv.device)
+        k, v = lsa.kv_from(layer_kv, layers)
+        h = lsa(layer_kv, layers, k, v, None)  # full (non-causal) mask over layers
+        return self.Ekv2E(h.mean(dim=1))
+
+    def memory_kv(
+        self, memory: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """memory: [B, S, E] at token positions [S] -> CA keys/values [B, Hkv, S, D]."""
+        return self.cross_attention.kv_from(memory, positions)
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,  # [B, T, E] target embeddings of tokens 0..T-1
+        layer_kv: torch.Tensor,  # [B, T, L, 2*E_kv] target K|V of the same tokens
+        memory_limit: torch.Tensor,  # [T] or [B, T]: query t sees memory rows < limit
+    ) -> torch.Tensor:
+        """Full-sequence forward: predicted o^(L+1-TLI) at every position, [B, T, E].
+
+        Used for training and as the reference the incremental proposer must reproduce.
+        """
+        bsz, seq = token_embeds.shape[:2]
+        positions = torch.arange(seq, device=token_embeds.device)
+        memory = self.encode_memory(layer_kv.flatten(0, 1)).unflatten(0, (bsz, seq))
+        sa_k, sa_v = self.self_attention.kv_from(token_embeds, positions)
+        h = self.self_attention(
+            token_embeds, positions, sa_k, sa_v, causal_mask(positions, seq)
+        )
+        mem_k, mem_v = self.memory_kv(memory, positions)
+        mask = memory_mask(memory_limit.reshape(-1), seq).view(-1, 1, seq, seq)
+        return self.cross_attention(h, positions, mem_k, mem_v, mask)
+
+
+def count_parameters(module: nn.Module) -> dict[str, int]:
+    """Trainable parameter counts per top-level child and in total."""
+    out = {name: sum(p.numel() for p in child.parameters()) for name, child in module.named_children()}
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,78 @@
+"""Size a MoA drafter for a given target.
+
+`paper` keeps the release's ratios for Llama-3-8B (E=4096, 32 heads, 8 KV heads, d=128):
+LSA width 2*E_kv=2048 with head size 64 (32 heads, 8 KV heads) and MLP 1.5x width (3072);
+SA and CA with the target's head count, half its KV heads and MLP 1.5x E (6144). That gives
+about 264M trainable parameters at 8B. `small` halves the MLPs and KV heads for quick runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_moa.model.config import MoAConfig, TargetShape
+
+PRESETS = ("paper", "small")
+
+
+@dataclass(frozen=True)
+class TargetInfo:
+    """Target facts a preset needs beyond the shape."""
+
+    shape: TargetShape
+    num_attention_heads: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, max(1, limit) + 1) if n % d == 0)
+
+
+def _heads_for(width: int, head_size: int) -> int:
+    """A head count giving heads of about `head_size` with an even head size."""
+    heads = _largest_divisor_at_most(width, max(1, width // head_size))
+    while (width // heads) % 2:
+        heads = _largest_divisor_at_most(width, heads - 1)
+    return heads
+
+
+def _kv_heads(heads: int, wanted: int) -> int:
+    return _largest_divisor_at_most(heads, max(1, wanted))
+
+
+def make_config(target: TargetInfo, preset: str = "paper", tli: int = 0) -> MoAConfig:
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    s = target.shape
+    width = 2 * s.kv_width
+    lsa_heads = _heads_for(width, 64)
+    tok_heads = target.num_attention_heads
+    if s.hidden_size % tok_heads or (s.hidden_size // tok_heads) % 2:
+        tok_heads = _heads_for(s.hidden_size, s.head_dim)
+    if preset == "paper":
+        lsa_kv, tok_kv = lsa_heads // 4, s.num_kv_heads // 2
+        lsa_mlp, tok_mlp = width * 3 // 2, s.hidden_size * 3 // 2
+    else:
+        lsa_kv, tok_kv = lsa_heads // 8, s.num_kv_heads // 4
+        lsa_mlp, tok_mlp = width * 3 // 4, s.hidden_size * 3 // 4
+    return MoAConfig(
+        target_num_layers=s.num_layers,
+        target_hidden_size=s.hidden_size,
+        target_num_kv_heads=s.num_kv_heads,
+        target_head_dim=s.head_dim,
+        vocab_size=s.vocab_size,
+        lsa_num_heads=lsa_heads,
+        lsa_num_kv_heads=_kv_heads(lsa_heads, lsa_kv),
+        lsa_intermediate_size=max(8, lsa_mlp),
+        sa_num_heads=tok_heads,
+        sa_num_kv_heads=_kv_heads(tok_heads, tok_kv),
+        sa_intermediate_size=max(8, tok_mlp),
+        ca_num_heads=tok_heads,
+        ca_num_kv_heads=_kv_heads(tok_heads, tok_kv),
+        ca_intermediate_size=max(8, tok_mlp),
+        tli=tli,
+        rope_theta=target.rope_theta,
+        lsa_rope_theta=10000.0,
+        rms_norm_eps=target.rms_norm_eps,
+    )

@@ -1,0 +1,218 @@
+"""Drive a Hugging Face causal LM as a speculative-decoding target (one sequence at a time).
+
+The adapter runs the model's own decoder layers in its own loop, with its own rollback-able KV
+cache (`KVCache`, which has the `update()` signature HF attention layers call). That gives what
+MoA needs and `model.generate` does not expose: the post-RoPE K|V of every layer for the new
+tokens, hidden states at chosen layers, running only the last N layers (TLI) on drafted states,
+and cropping the cache back to the accepted length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm_moa.model.config import TargetShape
+from vllm_moa.model.kv_cache import KVCache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_REQUIRED_MODULES = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+
+
+@dataclass
+class TargetOutput:
+    """What one target pass over T new tokens returns."""
+
+    logits: torch.Tensor  # [T, V] float32: next-token logits at each new position
+    layer_kv: torch.Tensor  # [T, L, 2*E_kv]: per layer [k_h0|v_h0|k_h1|v_h1|...], post-RoPE
+    # HF hidden_states indexing: l < L is the input of layer l (o^(l+1) in the paper, pre-norm);
+    # l == L is the final, normalised output. Only the requested indices are present.
+    hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # each [T, E]
+
+
+def check_supported(model: nn.Module) -> None:
+    """Raise a clear error if `model` is not a Llama-style causal LM the adapter can drive."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"target model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)} (Llama-style decoder layers with per-layer K/V)"
+        )
+    for path in _REQUIRED_MODULES:
+        obj: object = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                raise ValueError(
+                    f"target {type(model).__name__} has no `{path}`; the adapter needs "
+                    f"{', '.join(_REQUIRED_MODULES)}"
+                )
+    attn = getattr(model.model.layers[0], "self_attn", None)
+    if attn is None or not hasattr(attn, "k_proj"):
+        raise ValueError(
+            f"target {type(model).__name__} layers have no self_attn.k_proj (MLA or fused "
+            "attention is not supported)"
+        )
+
+
+def target_shape(config: object) -> TargetShape:
+    heads = config.num_attention_heads  # type: ignore[attr-defined]
+    hidden = config.hidden_size  # type: ignore[attr-defined]
+    return TargetShape(
+        num_layers=config.num_hidden_layers,  # type: ignore[attr-defined]
+        hidden_size=hidden,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or hidden // heads,
+        vocab_size=config.vocab_size,  # type: ignore[attr-defined]
+    )
+
+
+def _sliding_windows(config: object, num_layers: int) -> list[int | None]:
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if getattr(config, "model_type", None) == "mistral":
+        return [window] * num_layers
+    return [None] * num_layers
+
+
+class HFTarget:
+    """A Hugging Face causal LM with a rollback-able KV cache for one sequence."""
+
+    def __init__(self, model: nn.Module) -> None:
+        check_supported(model)
+        self.model = model.eval()
+        self.config = model.config
+        inner = model.model
+        self.layers = inner.layers
+        self.embed_tokens = inner.embed_tokens
+        self.norm = inner.norm
+        self.rotary_emb = inner.rotary_emb
+        self.lm_head = model.lm_head
+        self.shape = target_shape(self.config)
+        self.max_length: int = int(getattr(self.config, "max_position_embeddings", 2048))
+        self._windows = _sliding_windows(self.config, self.shape.num_layers)
+        self.cache = KVCache(self.shape.num_layers)
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ) -> HFTarget:
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"target directory {path} has no config.json")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        except (OSError, ValueError, KeyError) as e:
+            raise ValueError(f"could not load target model from {path}: {e}") from None
+        return cls(model.to(device))
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def seq_len(self) -> int:
+        """Number of tokens whose K/V sit in the cache (all layers agree between calls)."""
+        return self.cache.length(0)
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def crop(self, length: int) -> None:
+        self.cache.crop(length)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, E]."""
+        return self.embed_tokens(token_ids)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, E] -> [T, V] float32."""
+        return self.lm_head(hidden).float()
+
+    def _mask(self, layer_idx: int, positions: torch.Tensor) -> torch.Tensor:
+        """Additive float mask [1, 1, T, S] over the layer's cached keys plus the new ones."""
+        num_keys = self.cache.length(layer_idx) + positions.shape[0]
+        keys = torch.arange(num_keys, device=positions.device)
+        allowed = keys[None, :] <= positions[:, None]
+        window = self._windows[layer_idx]
+        if window is not None:
+            allowed &= keys[None, :] > positions[:, None] - window
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=positions.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+
+    def _run_layers(self, h: torch.Tensor, positions: torch.Tensor, layer_ids: range) -> torch.Tensor:
+        pos = positions[None]
+        position_embeddings = self.rotary_emb(h, pos)
+        for i in layer_ids:
+            out = self.layers[i](
+                h,
+                attention_mask=self._mask(i, positions),
+                position_ids=pos,
+                past_key_values=self.cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+            h = out[0] if isinstance(out, tuple) else out
+        return h
+
+    @torch.no_grad()
+    def forward(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = ()) -> TargetOutput:
+        """Run T new tokens [T] after the cached prefix; their K/V stay in the cache."""
+        start = self.seq_len
+        if start + token_ids.shape[0] > self.max_length:
+            raise ValueError(
+                f"sequence of {start + token_ids.shape[0]} tokens exceeds the target's context "
+                f"of {self.max_length} (max_position_embeddings)"
+            )
+        positions = torch.arange(start, start + token_ids.shape[0], device=self.device)
+        h = self.embed_tokens(token_ids.to(self.device))[None]
+        hidden: dict[int, torch.Tensor] = {}
+        num_layers = self.shape.num_layers
+        wanted = set(hidden_layers)
+        cut_points = sorted({0, num_layers, *(i for i in wanted if i < num_layers)})
+        for a, b in zip(cut_points[:-1], cut_points[1:], strict=True):
+            if a in wanted:
+                hidden[a] = h[0]
+            h = self._run_layers(h, positions, range(a, b))
+        h = self.norm(h)
+        if num_layers in wanted:
+            hidden[num_layers] = h[0]
+        return TargetOutput(
+            logits=self.lm_logits(h[0]),
+            layer_kv=self.read_kv(start, start + token_ids.shape[0]),
+            hidden_states=hidden,
+        )
+
+    @torch.no_grad()
+    def run_tail_layers(
+        self, hidden: torch.Tensor, positions: torch.Tensor, num_layers: int
+    ) -> torch.Tensor:
+        """TLI: run the last `num_layers` layers and the final norm on hidden [T, E] at positions
+        [T]. Their K/V are appended to those layers' cache: crop back to the verified length
+        before the next target pass."""
+        total = self.shape.num_layers
+        layer_ids = range(total - num_layers, total)
+        h = self._run_layers(hidden[None].to(self.dtype), positions, layer_ids)
+        return self.norm(h)[0]
+
+    def read_kv(self, start: int, end: int) -> torch.Tensor:
+        """K|V of cached positions [start, end) in every layer -> [T, L, 2*E_kv]."""
+        per_layer = []
+        for i in range(self.shape.num_layers):
+            k, v = self.cache.get(i)  # [1, Hkv, S, D]
+            kv = torch.stack([k[0, :, start:end], v[0, :, start:end]], dim=2)  # [Hkv, T, 2, D]
+            per_layer.append(kv.permute(1, 0, 2, 3).flatten(1))  # [T, 2*E_kv]
+        return torch.stack(per_layer, dim=1)
