@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,11 @@ from vllm_moa.model.moa import MoADrafter
 BLOCKS = ("layer_self_attention", "self_attention", "cross_attention")
 _SHARED_TARGET_KEYS = ("embed_tokens.", "lm_head.", "model.embed_tokens.")
 # Attention submodule spellings seen for the cross-attention block, mapped to ours.
-_ATTN_ALIASES = {".cross_attn.": ".self_attn.", ".attn.": ".self_attn.", ".attention.": ".self_attn."}
+_ATTN_ALIASES = {
+    ".cross_attn.": ".self_attn.",
+    ".attn.": ".self_attn.",
+    ".attention.": ".self_attn.",
+}
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class ConvertOptions:
     target: TargetShape | None = None  # None: read the target shape from SRC's config.json
 
 
-def _read_official_config(src: Path) -> dict[str, object]:
+def _read_official_config(src: Path) -> dict[str, Any]:
     path = src / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json")
@@ -89,19 +94,21 @@ def _block_dims(state: dict[str, torch.Tensor], block: str, head_dim: int) -> tu
     return q // head_dim, k // head_dim, mlp
 
 
-def _target_from_config(cfg: dict[str, object]) -> TargetShape:
-    heads = int(cfg["num_attention_heads"])  # type: ignore[call-overload]
-    hidden = int(cfg["hidden_size"])  # type: ignore[call-overload]
+def _target_from_config(cfg: dict[str, Any]) -> TargetShape:
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
     return TargetShape(
-        num_layers=int(cfg["num_hidden_layers"]),  # type: ignore[call-overload]
+        num_layers=int(cfg["num_hidden_layers"]),
         hidden_size=hidden,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),  # type: ignore[call-overload]
-        head_dim=int(cfg.get("head_dim") or hidden // heads),  # type: ignore[call-overload]
-        vocab_size=int(cfg["vocab_size"]),  # type: ignore[call-overload]
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        vocab_size=int(cfg["vocab_size"]),
     )
 
 
-def convert_official(src: str | Path, dst: str | Path, options: ConvertOptions | None = None) -> Path:
+def convert_official(
+    src: str | Path, dst: str | Path, options: ConvertOptions | None = None
+) -> Path:
     """Convert an official MoA checkpoint directory into a vllm-moa drafter directory."""
     opts = options or ConvertOptions()
     src = Path(src)
@@ -124,7 +131,7 @@ def convert_official(src: str | Path, dst: str | Path, options: ConvertOptions |
     lsa = _block_dims(state, "layer_self_attention", opts.lsa_head_dim)
     sa = _block_dims(state, "self_attention", head_dim)
     ca = _block_dims(state, "cross_attention", head_dim)
-    tli = opts.tli if opts.tli is not None else int(cfg.get("tli", 0))  # type: ignore[call-overload]
+    tli = opts.tli if opts.tli is not None else int(cfg.get("tli", 0))
     config = MoAConfig(
         target_num_layers=target.num_layers,
         target_hidden_size=target.hidden_size,
@@ -141,8 +148,8 @@ def convert_official(src: str | Path, dst: str | Path, options: ConvertOptions |
         ca_num_kv_heads=ca[1],
         ca_intermediate_size=ca[2],
         tli=tli,
-        rope_theta=float(cfg.get("rope_theta", 10000.0)),  # type: ignore[arg-type]
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),  # type: ignore[arg-type]
+        rope_theta=float(cfg.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
     )
     drafter = MoADrafter(config)
     expected = drafter.state_dict()

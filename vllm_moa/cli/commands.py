@@ -16,7 +16,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def _runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {device} asked for, but CUDA is not available; use --device cpu")
+        raise ValueError(
+            f"--device {device} asked for, but CUDA is not available; use --device cpu"
+        )
     if args.dtype == "auto":
         return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
     return device, _DTYPES[args.dtype]
@@ -87,7 +89,9 @@ def run_generation(
         if not tokenizer.chat_template:
             raise ValueError(f"--chat given but the tokenizer in {target_dir} has no chat template")
         messages = [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
             ids = ids["input_ids"]
     else:

@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.convert)
 
     p = sub.add_parser("demo", help="build the tiny default target + drafter and generate")
-    p.add_argument("--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa")
+    p.add_argument(
+        "--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa"
+    )
     p.add_argument("--prompt", default="def fibonacci(n):")
     p.add_argument("--max-new-tokens", type=_positive_int, default=48)
     p.add_argument("--num-speculative-tokens", type=_positive_int, default=4)

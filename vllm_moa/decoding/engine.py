@@ -76,9 +76,7 @@ class SpeculativeEngine:
                 f"shorten it to at most {limit - 1} tokens"
             )
 
-    def _pick(
-        self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
-    ) -> int:
+    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
         if params.greedy:
             return int(logits.argmax().item())  # device sync
         return sample(probabilities(logits, params), gen)
@@ -148,7 +146,9 @@ class SpeculativeEngine:
         """One draft + verify cycle from `last` at `position`; returns the emitted tokens."""
         assert self.proposer is not None
         proposal = self.proposer.propose(last, k, params, gen)
-        out = self.target.forward(torch.tensor([last, *proposal.tokens]), self.proposer.hidden_layers)
+        out = self.target.forward(
+            torch.tensor([last, *proposal.tokens]), self.proposer.hidden_layers
+        )
         if params.greedy:
             verdict = verify_greedy(proposal.tokens, out.logits)
         else:

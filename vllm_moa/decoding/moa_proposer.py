@@ -118,7 +118,8 @@ class MoAProposer:
         """`verified` holds the target rows of the last token and the accepted drafts."""
         if verified.layer_kv.shape[0] != len(accepted) + 1:
             raise ValueError(
-                f"accept() needs {len(accepted) + 1} verified rows, got {verified.layer_kv.shape[0]}"
+                f"accept() needs {len(accepted) + 1} verified rows, "
+                f"got {verified.layer_kv.shape[0]}"
             )
         if self._last_token is None:
             raise RuntimeError("accept() called without a preceding propose()")

@@ -1,4 +1,4 @@
-"""The MoA drafter's configuration: every architecture knob plus the target shape it was built for."""
+"""The MoA drafter's configuration: every architecture knob plus the target shape it is for."""
 
 from __future__ import annotations
 
@@ -13,7 +13,14 @@ MOA_MODEL_TYPE = "moa_drafter"
 
 # Keys a Hugging Face style config.json may carry that are not MoA fields.
 _HF_METADATA_KEYS = frozenset(
-    {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version", "vllm_moa_version"}
+    {
+        "architectures",
+        "model_type",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "vllm_moa_version",
+    }
 )
 
 

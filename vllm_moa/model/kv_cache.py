@@ -25,7 +25,12 @@ class KVCache:
         return self._lengths[layer_idx]
 
     def update(
-        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kwargs: object
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        layer_idx: int,
+        *args: object,
+        **kwargs: object,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append key/value [B, Hkv, S_new, D]; return the layer's full K, V [B, Hkv, S, D]."""
         n = self._lengths[layer_idx]

@@ -28,7 +28,8 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape [S, D] for integer positions [S] (rotate-half convention)."""
     inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+        theta
+        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     )
     freqs = positions.float()[:, None] * inv_freq[None, :]  # [S, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]

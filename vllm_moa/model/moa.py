@@ -92,9 +92,7 @@ class MoADrafter(nn.Module):
         positions = torch.arange(seq, device=token_embeds.device)
         memory = self.encode_memory(layer_kv.flatten(0, 1)).unflatten(0, (bsz, seq))
         sa_k, sa_v = self.self_attention.kv_from(token_embeds, positions)
-        h = self.self_attention(
-            token_embeds, positions, sa_k, sa_v, causal_mask(positions, seq)
-        )
+        h = self.self_attention(token_embeds, positions, sa_k, sa_v, causal_mask(positions, seq))
         mem_k, mem_v = self.memory_kv(memory, positions)
         mask = memory_mask(memory_limit.reshape(-1), seq).view(-1, 1, seq, seq)
         return self.cross_attention(h, positions, mem_k, mem_v, mask)
@@ -102,6 +100,8 @@ class MoADrafter(nn.Module):
 
 def count_parameters(module: nn.Module) -> dict[str, int]:
     """Trainable parameter counts per top-level child and in total."""
-    out = {name: sum(p.numel() for p in child.parameters()) for name, child in module.named_children()}
+    out = {
+        name: sum(p.numel() for p in child.parameters()) for name, child in module.named_children()
+    }
     out["total"] = sum(out.values())
     return out

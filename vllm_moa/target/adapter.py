@@ -9,18 +9,25 @@ and cropping the cache back to the accepted length.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch import nn
 
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.kv_cache import KVCache
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_REQUIRED_MODULES = ("model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head")
+_REQUIRED_MODULES = (
+    "model.embed_tokens",
+    "model.layers",
+    "model.norm",
+    "model.rotary_emb",
+    "lm_head",
+)
 
 
 @dataclass
@@ -34,7 +41,7 @@ class TargetOutput:
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # each [T, E]
 
 
-def check_supported(model: nn.Module) -> None:
+def check_supported(model: Any) -> None:
     """Raise a clear error if `model` is not a Llama-style causal LM the adapter can drive."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -85,16 +92,17 @@ def _sliding_windows(config: object, num_layers: int) -> list[int | None]:
 class HFTarget:
     """A Hugging Face causal LM with a rollback-able KV cache for one sequence."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: Any) -> None:
+        # `model` is any HF causal LM passing check_supported(); typed Any as HF modules are.
         check_supported(model)
-        self.model = model.eval()
-        self.config = model.config
-        inner = model.model
-        self.layers = inner.layers
-        self.embed_tokens = inner.embed_tokens
-        self.norm = inner.norm
-        self.rotary_emb = inner.rotary_emb
-        self.lm_head = model.lm_head
+        self.model: Any = model.eval()
+        self.config: Any = model.config
+        inner: Any = model.model
+        self.layers: Any = inner.layers
+        self.embed_tokens: Any = inner.embed_tokens
+        self.norm: Any = inner.norm
+        self.rotary_emb: Any = inner.rotary_emb
+        self.lm_head: Any = model.lm_head
         self.shape = target_shape(self.config)
         self.max_length: int = int(getattr(self.config, "max_position_embeddings", 2048))
         self._windows = _sliding_windows(self.config, self.shape.num_layers)
@@ -110,7 +118,9 @@ class HFTarget:
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"target directory {path} has no config.json")
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+            model: Any = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="sdpa"
+            )
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"could not load target model from {path}: {e}") from None
         return cls(model.to(device))
@@ -153,7 +163,9 @@ class HFTarget:
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=positions.device)
         return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
 
-    def _run_layers(self, h: torch.Tensor, positions: torch.Tensor, layer_ids: range) -> torch.Tensor:
+    def _run_layers(
+        self, h: torch.Tensor, positions: torch.Tensor, layer_ids: range
+    ) -> torch.Tensor:
         pos = positions[None]
         position_embeddings = self.rotary_emb(h, pos)
         for i in layer_ids:
@@ -183,7 +195,7 @@ class HFTarget:
         num_layers = self.shape.num_layers
         wanted = set(hidden_layers)
         cut_points = sorted({0, num_layers, *(i for i in wanted if i < num_layers)})
-        for a, b in zip(cut_points[:-1], cut_points[1:], strict=True):
+        for a, b in itertools.pairwise(cut_points):
             if a in wanted:
                 hidden[a] = h[0]
             h = self._run_layers(h, positions, range(a, b))

@@ -1,0 +1,194 @@
+"""The `vllm-moa` CLI contract: init-drafter, generate, convert-official, and one-line errors."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from vllm_moa.cli.main import main
+
+
+def run_cli(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter") / "d"
+    assert (
+        main(
+            [
+                "init-drafter",
+                "--target",
+                tiny_target_dir,
+                "--out",
+                str(out),
+                "--tli",
+                "1",
+                "--preset",
+                "small",
+                "--seed",
+                "1",
+            ]
+        )
+        == 0
+    )
+    return str(out)
+
+
+def test_generate_json_plain_and_speculative_agree(capsys, tiny_target_dir, drafter_dir):
+    base = [
+        "generate",
+        "--target",
+        tiny_target_dir,
+        "--prompt",
+        "import os\n",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    ]
+    code, out, _ = run_cli(capsys, *base)
+    assert code == 0
+    plain = json.loads(out)
+    code, out, _ = run_cli(capsys, *base, "--drafter", drafter_dir, "--num-speculative-tokens", "3")
+    assert code == 0
+    spec = json.loads(out)
+    for key in (
+        "text",
+        "token_ids",
+        "target_calls",
+        "mean_accepted_length",
+        "accepted_length_histogram",
+        "tokens_per_second",
+    ):
+        assert key in spec
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    assert len(spec["token_ids"]) == 12 and len(spec["accepted_length_histogram"]) == 4
+    assert plain["mean_accepted_length"] == 1.0
+
+
+def test_generate_sampling_chat_and_prompt_file(capsys, tmp_path, tiny_target_dir, drafter_dir):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Write a sort function.")
+    code, _out, err = run_cli(
+        capsys,
+        "generate",
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        drafter_dir,
+        "--prompt-file",
+        str(prompt),
+        "--chat",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.9",
+        "--top-k",
+        "50",
+        "--seed",
+        "3",
+    )
+    assert code == 0 and "tau=" in err
+
+
+def _error(capsys, *argv):
+    code, _out, err = run_cli(capsys, *argv)
+    assert code != 0
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_user_mistakes_are_one_line_errors(capsys, tmp_path, tiny_target_dir, drafter_dir):
+    gen = ["generate", "--target", tiny_target_dir, "--max-new-tokens", "4"]
+    assert "target directory" in _error(
+        capsys,
+        "generate",
+        "--target",
+        str(tmp_path / "x"),
+        "--prompt",
+        "a",
+        "--max-new-tokens",
+        "4",
+    )
+    assert "does not exist" in _error(
+        capsys, *gen, "--prompt", "a", "--drafter", str(tmp_path / "nope")
+    )
+    assert "prompt file" in _error(capsys, *gen, "--prompt-file", str(tmp_path / "none.txt"))
+    assert "temperature must be >= 0" in _error(
+        capsys, *gen, "--prompt", "a", "--temperature", "-1"
+    )
+    assert "top_p must be in (0, 1]" in _error(capsys, *gen, "--prompt", "a", "--top-p", "2")
+    long_prompt = "x = 1\n" * 400
+    assert "context is 128" in _error(capsys, *gen, "--prompt", long_prompt)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(drafter_dir, corrupt)
+    (corrupt / "model.safetensors").write_bytes(b"not safetensors")
+    assert "corrupt" in _error(capsys, *gen, "--prompt", "a", "--drafter", str(corrupt))
+    other = tmp_path / "other"
+    shutil.copytree(drafter_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["vocab_size"] += 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    msg = _error(capsys, *gen, "--prompt", "a", "--drafter", str(other))
+    assert "vocab size" in msg and "but the target has" in msg
+    assert "must satisfy 0 <= tli" in _error(
+        capsys,
+        "init-drafter",
+        "--target",
+        tiny_target_dir,
+        "--out",
+        str(tmp_path / "d"),
+        "--tli",
+        "9",
+    )
+
+
+def test_bad_numbers_are_rejected_by_the_parser(capsys, tiny_target_dir):
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--target", tiny_target_dir, "--prompt", "a", "--max-new-tokens", "0"])
+    assert exc.value.code != 0
+    assert "must be >= 1, got 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_console_script_end_to_end(tiny_target_dir, drafter_dir, tmp_path):
+    exe = shutil.which("vllm-moa") or f"{sys.executable} -m vllm_moa.cli.main"
+    cmd = [
+        *exe.split(),
+        "generate",
+        "--target",
+        tiny_target_dir,
+        "--drafter",
+        drafter_dir,
+        "--prompt",
+        "def f(x):",
+        "--max-new-tokens",
+        "6",
+        "--json",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["token_ids"]) == 6
+    bad_cmd = [
+        *exe.split(),
+        "generate",
+        "--target",
+        tiny_target_dir,
+        "--prompt",
+        "a",
+        "--max-new-tokens",
+        "3",
+        "--drafter",
+        str(tmp_path / "missing"),
+    ]
+    bad = subprocess.run(bad_cmd, capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0
