@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install the project with its dev tools into it.
+# torch is pinned to 2.13.0, the version vLLM 0.32.0 needs (`pip install torch==2.13.0` takes the
+# local CPU wheel on our CPU machines; elsewhere pip picks the matching build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+stamp=.venv/.vllm_moa_installed
+want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  echo "$want" > "$stamp"
+fi
