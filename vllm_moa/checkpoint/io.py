@@ -49,6 +49,25 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"cannot read {path}: corrupt or not a safetensors file ({e})") from None
 
 
+def load_checked(drafter: MoADrafter, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load `state` into `drafter`, naming missing/unexpected keys and wrong shapes."""
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match its config: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(
+                f"{source}: {name} has shape {tuple(tensor.shape)}, config implies "
+                f"{tuple(expected[name].shape)}"
+            )
+    drafter.load_state_dict(state)
+
+
 def load_drafter(
     path: str | Path,
     target: TargetShape | None = None,
@@ -60,23 +79,8 @@ def load_drafter(
     config = load_config(path)
     if target is not None:
         config.check_target(target)
-    state = load_state_dict(path / WEIGHTS_NAME)
     drafter = MoADrafter(config)
-    expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(
-            f"{path / WEIGHTS_NAME} does not match its config: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{path / WEIGHTS_NAME}: {name} has shape {tuple(tensor.shape)}, config implies "
-                f"{tuple(expected[name].shape)}"
-            )
-    drafter.load_state_dict(state)
+    load_checked(drafter, load_state_dict(path / WEIGHTS_NAME), str(path / WEIGHTS_NAME))
     if dtype is not None:
         drafter = drafter.to(dtype)
     return drafter.to(device).eval()

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from vllm_moa.checkpoint.io import load_state_dict, save_drafter
+from vllm_moa.checkpoint.io import load_checked, load_state_dict, save_drafter
 from vllm_moa.model.config import MoAConfig, TargetShape
 from vllm_moa.model.moa import MoADrafter
 
@@ -152,20 +152,6 @@ def convert_official(
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
     )
     drafter = MoADrafter(config)
-    expected = drafter.state_dict()
-    unknown = sorted(set(state) - set(expected))
-    missing = sorted(set(expected) - set(state))
-    if unknown or missing:
-        raise ValueError(
-            f"official checkpoint keys do not map onto the MoA drafter: unknown {unknown[:6]}, "
-            f"missing {missing[:6]}"
-        )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{name}: shape {tuple(tensor.shape)} where {tuple(expected[name].shape)} was "
-                "expected from the derived head counts"
-            )
-    drafter.load_state_dict(state)
+    load_checked(drafter, state, f"official checkpoint {src} (head counts derived from shapes)")
     dtype = next(iter(state.values())).dtype
     return save_drafter(drafter.to(dtype), dst)
