@@ -53,10 +53,10 @@ def make_hf_model(
 
 
 def make_drafter(
-    target: HFTarget, tli: int = 0, seed: int = 0, preset: str = "small"
+    target: HFTarget, tli: int = 0, seed: int = 0, preset: str = "small", memory: str = "lsa"
 ) -> MoADrafter:
     info = TargetInfo(target.shape, target.config.num_attention_heads)
-    drafter = MoADrafter(make_config(info, preset=preset, tli=tli))
+    drafter = MoADrafter(make_config(info, preset=preset, tli=tli, memory_source=memory))
     drafter.init_weights(seed)
     return drafter.eval()
 

@@ -106,3 +106,15 @@ def test_drafter_for_another_target_is_refused(llama_target):
     other = HFTarget(make_hf_model(vocab_size=300))
     with pytest.raises(ValueError, match="vocab size 300, but the target has 256"):
         MoAProposer(make_drafter(other), llama_target)
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_greedy_equality_without_lsa(llama_target, plain_outputs, tli):
+    """The "-LSA" ablation: CA memory = the target's final hidden states."""
+    drafter = make_drafter(llama_target, tli=tli, memory="hidden")
+    assert not hasattr(drafter, "layer_self_attention")
+    proposer = OracleMoAProposer(drafter, llama_target)
+    assert proposer.hidden_layers == (llama_target.shape.num_layers,)
+    engine = SpeculativeEngine(llama_target, proposer)
+    for prompt, expected in zip(PROMPTS, plain_outputs, strict=True):
+        assert engine.generate(prompt, 24, num_speculative_tokens=4).token_ids == expected

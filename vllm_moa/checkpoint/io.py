@@ -24,7 +24,7 @@ def save_drafter(drafter: MoADrafter, out_dir: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     config = drafter.config.to_dict()
     config["vllm_moa_version"] = vllm_moa.__version__
-    config["torch_dtype"] = str(drafter.Ekv2E.weight.dtype).removeprefix("torch.")
+    config["torch_dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
     save_file(tensors, str(out / WEIGHTS_NAME), metadata={"format": "pt"})

@@ -23,10 +23,10 @@ from vllm_moa.target.adapter import HFTarget, TargetOutput
 
 
 class MoAProposer:
-    hidden_layers: tuple[int, ...] = ()
-
     def __init__(self, drafter: MoADrafter, target: HFTarget) -> None:
         drafter.config.check_target(target.shape)
+        # The "-LSA" variant reads the target's final hidden states instead of its K/V.
+        self.hidden_layers: tuple[int, ...] = () if drafter.uses_lsa else (target.shape.num_layers,)
         self.drafter = drafter.eval()
         self.target = target
         self.tli = drafter.config.tli
@@ -37,7 +37,7 @@ class MoAProposer:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.drafter.Ekv2E.weight.dtype
+        return self.drafter.cross_attention.input_layernorm.weight.dtype
 
     @property
     def verified_len(self) -> int:
@@ -48,13 +48,18 @@ class MoAProposer:
         self.memory.reset()
         self.tokens = list(prompt_ids)
         self._last_token = None
-        self._extend_memory(prefill.layer_kv)
+        self._extend_memory(prefill)
 
     @torch.no_grad()
-    def _extend_memory(self, layer_kv: torch.Tensor) -> None:
-        """LSA + mean + Ekv2E on the newly verified rows [n, L, 2*E_kv], appended to memory."""
+    def _extend_memory(self, verified: TargetOutput) -> None:
+        """Memory rows for the newly verified tokens (LSA + mean + Ekv2E on their K|V)."""
         start = self.memory.length()
-        memory = self.drafter.encode_memory(layer_kv.to(self.dtype))  # [n, E]
+        features = (
+            verified.layer_kv
+            if self.drafter.uses_lsa
+            else verified.hidden_states[self.target.shape.num_layers]
+        )
+        memory = self.drafter.encode_memory(features.to(self.dtype))  # [n, E]
         positions = torch.arange(start, start + memory.shape[0], device=memory.device)
         k, v = self.drafter.memory_kv(memory[None], positions)
         self.memory.update(k, v, 0)
@@ -123,7 +128,7 @@ class MoAProposer:
             )
         if self._last_token is None:
             raise RuntimeError("accept() called without a preceding propose()")
-        self._extend_memory(verified.layer_kv)
+        self._extend_memory(verified)
         self.tokens.extend([self._last_token, *accepted])
         self._last_token = None
         # SA K/V is valid where its input token was the accepted one: positions < verified_len.

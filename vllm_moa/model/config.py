@@ -10,6 +10,7 @@ from typing import Any
 
 MOA_ARCHITECTURE = "MoADrafter"
 MOA_MODEL_TYPE = "moa_drafter"
+MEMORY_SOURCES = ("lsa", "hidden")
 
 # Keys a Hugging Face style config.json may carry that are not MoA fields.
 _HF_METADATA_KEYS = frozenset(
@@ -71,9 +72,19 @@ class MoAConfig:
     rope_theta: float = 10000.0  # SA and CA, over token positions
     lsa_rope_theta: float = 10000.0  # LSA, over the layer index
     rms_norm_eps: float = 1e-5
+    # "lsa": memory rows come from LSA over every layer's K|V (MoA). "hidden": the CA reads the
+    # target's final hidden states instead (the paper's "-LSA, o_1..o_t inputs" ablation).
+    memory_source: str = "lsa"
 
     def __post_init__(self) -> None:
+        if self.memory_source not in MEMORY_SOURCES:
+            raise ValueError(
+                f"MoAConfig.memory_source must be one of {list(MEMORY_SOURCES)}, "
+                f"got {self.memory_source!r}"
+            )
         for f in dataclasses.fields(self):
+            if f.type == "str":
+                continue
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"MoAConfig.{f.name} must be an int, got {value!r}")

@@ -22,15 +22,17 @@ class MoADrafter(nn.Module):
         self.config = config
         c = config
         width, hidden = c.lsa_width, c.target_hidden_size
-        self.layer_self_attention = DecoderBlock(
-            width,
-            c.lsa_num_heads,
-            c.lsa_num_kv_heads,
-            c.lsa_intermediate_size,
-            c.lsa_rope_theta,
-            c.rms_norm_eps,
-        )
-        self.Ekv2E = nn.Linear(width, hidden, bias=True)
+        self.uses_lsa = c.memory_source == "lsa"
+        if self.uses_lsa:
+            self.layer_self_attention = DecoderBlock(
+                width,
+                c.lsa_num_heads,
+                c.lsa_num_kv_heads,
+                c.lsa_intermediate_size,
+                c.lsa_rope_theta,
+                c.rms_norm_eps,
+            )
+            self.Ekv2E = nn.Linear(width, hidden, bias=True)
         self.self_attention = DecoderBlock(
             hidden,
             c.sa_num_heads,
@@ -60,12 +62,16 @@ class MoADrafter(nn.Module):
                 else:
                     p.copy_(torch.randn(p.shape, generator=gen) * std)
 
-    def encode_memory(self, layer_kv: torch.Tensor) -> torch.Tensor:
-        """LSA over the layer axis, mean over layers, Ekv2E.
+    def encode_memory(self, features: torch.Tensor) -> torch.Tensor:
+        """Memory rows [N, E] from per-token target features.
 
-        layer_kv: [N, L, 2*E_kv] (post-RoPE K|V of every target layer per token; tokens are
-        independent) -> memory [N, E].
+        memory_source "lsa": features are [N, L, 2*E_kv], the post-RoPE K|V of every target
+        layer per token (tokens independent): LSA over the layer axis, mean, Ekv2E.
+        memory_source "hidden": features are the target's final hidden states [N, E], used as is.
         """
+        if not self.uses_lsa:
+            return features
+        layer_kv = features
         lsa = self.layer_self_attention
         layers = torch.arange(layer_kv.shape[1], device=layer_kv.device)
         k, v = lsa.kv_from(layer_kv, layers)
@@ -81,18 +87,23 @@ class MoADrafter(nn.Module):
     def forward(
         self,
         token_embeds: torch.Tensor,  # [B, T, E] target embeddings of tokens 0..T-1
-        layer_kv: torch.Tensor,  # [B, T, L, 2*E_kv] target K|V of the same tokens
+        features: torch.Tensor,  # [B, T, L, 2*E_kv] K|V ("lsa") or [B, T, E] hidden ("hidden")
         memory_limit: torch.Tensor,  # [T] or [B, T]: query t sees memory rows < limit
+        sa_from: torch.Tensor | None = None,  # [B, T]: SA query t sees keys >= sa_from
     ) -> torch.Tensor:
         """Full-sequence forward: predicted o^(L+1-TLI) at every position, [B, T, E].
 
         Used for training and as the reference the incremental proposer must reproduce.
+        `sa_from` restricts SA to a window (the release's early-training "staircase").
         """
         bsz, seq = token_embeds.shape[:2]
         positions = torch.arange(seq, device=token_embeds.device)
-        memory = self.encode_memory(layer_kv.flatten(0, 1)).unflatten(0, (bsz, seq))
+        memory = self.encode_memory(features.flatten(0, 1)).unflatten(0, (bsz, seq))
         sa_k, sa_v = self.self_attention.kv_from(token_embeds, positions)
-        h = self.self_attention(token_embeds, positions, sa_k, sa_v, causal_mask(positions, seq))
+        sa_mask = causal_mask(positions, seq)
+        if sa_from is not None:
+            sa_mask = (sa_mask & (positions[None, None, :] >= sa_from[:, :, None]))[:, None]
+        h = self.self_attention(token_embeds, positions, sa_k, sa_v, sa_mask)
         mem_k, mem_v = self.memory_kv(memory, positions)
         mask = memory_mask(memory_limit.reshape(-1), seq).view(-1, 1, seq, seq)
         return self.cross_attention(h, positions, mem_k, mem_v, mask)

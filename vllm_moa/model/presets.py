@@ -41,7 +41,9 @@ def _kv_heads(heads: int, wanted: int) -> int:
     return _largest_divisor_at_most(heads, max(1, wanted))
 
 
-def make_config(target: TargetInfo, preset: str = "paper", tli: int = 0) -> MoAConfig:
+def make_config(
+    target: TargetInfo, preset: str = "paper", tli: int = 0, memory_source: str = "lsa"
+) -> MoAConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
     s = target.shape
@@ -75,4 +77,5 @@ def make_config(target: TargetInfo, preset: str = "paper", tli: int = 0) -> MoAC
         rope_theta=target.rope_theta,
         lsa_rope_theta=10000.0,
         rms_norm_eps=target.rms_norm_eps,
+        memory_source=memory_source,
     )
