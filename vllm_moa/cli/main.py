@@ -74,6 +74,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lsa-head-dim", type=_positive_int, default=64)
     p.set_defaults(func=commands.convert)
 
+    p = sub.add_parser("train", help="distil a drafter (MoA or a baseline) against a target")
+    p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--drafter", default=None, help="drafter directory to start from")
+    src.add_argument("--method", choices=["moa", "eagle", "independent"], default="moa")
+    p.add_argument("--tli", type=_non_negative_int, default=0)
+    p.add_argument("--preset", choices=["small", "paper"], default="small")
+    p.add_argument("--memory-source", choices=["lsa", "hidden"], default="lsa")
+    p.add_argument(
+        "--data", nargs="+", required=True, help="JSONL (chat/prompt-response/text) or text files"
+    )
+    p.add_argument("--out", required=True, help="output directory (drafter in OUT/drafter)")
+    p.add_argument("--max-steps", type=_positive_int, required=True)
+    p.add_argument("--save-every", type=_non_negative_int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch-size", type=_positive_int, default=8)
+    p.add_argument("--grad-accum", type=_positive_int, default=1)
+    p.add_argument("--max-length", type=_positive_int, default=512)
+    p.add_argument("--warmup-steps", type=_non_negative_int, default=20)
+    p.add_argument("--kl-weight", type=float, default=0.1)
+    p.add_argument("--feature-weight", type=float, default=1.0)
+    p.add_argument("--refresh-min", type=_positive_int, default=5)
+    p.add_argument("--refresh-max", type=_positive_int, default=15)
+    p.add_argument("--sa-staircase", action="store_true")
+    p.add_argument("--log-every", type=_positive_int, default=10)
+    p.add_argument("--eval-every", type=_non_negative_int, default=0)
+    p.add_argument("--eval-examples", type=_non_negative_int, default=32)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.set_defaults(func=commands.train)
+
     p = sub.add_parser("demo", help="build the tiny default target + drafter and generate")
     p.add_argument(
         "--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa"

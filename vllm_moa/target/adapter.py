@@ -10,7 +10,7 @@ and cropping the cache back to the accepted length.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -152,33 +152,70 @@ class HFTarget:
         """[T, E] -> [T, V] float32."""
         return self.lm_head(hidden).float()
 
-    def _mask(self, layer_idx: int, positions: torch.Tensor) -> torch.Tensor:
-        """Additive float mask [1, 1, T, S] over the layer's cached keys plus the new ones."""
-        num_keys = self.cache.length(layer_idx) + positions.shape[0]
-        keys = torch.arange(num_keys, device=positions.device)
-        allowed = keys[None, :] <= positions[:, None]
+    def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
+        """bool [..., T, S] (True = attend) -> additive float mask in the model's dtype."""
+        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device)
+        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+
+    def causal_allowed(
+        self, layer_idx: int, positions: torch.Tensor, key_positions: torch.Tensor
+    ) -> torch.Tensor:
+        """bool [T, S]: causal, within the layer's sliding window if it has one."""
+        allowed = key_positions[None, :] <= positions[:, None]
         window = self._windows[layer_idx]
         if window is not None:
-            allowed &= keys[None, :] > positions[:, None] - window
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=positions.device)
-        return mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)[None, None]
+            allowed &= key_positions[None, :] > positions[:, None] - window
+        return allowed
 
-    def _run_layers(
-        self, h: torch.Tensor, positions: torch.Tensor, layer_ids: range
+    def _cache_mask(self, cache: KVCache, layer_idx: int, positions: torch.Tensor) -> torch.Tensor:
+        """[1, 1, T, S] over the layer's cached keys (positions 0..) plus the new ones."""
+        keys = torch.arange(cache.length(layer_idx) + positions.shape[0], device=positions.device)
+        return self.additive_mask(self.causal_allowed(layer_idx, positions, keys))[None, None]
+
+    def run_layers(
+        self,
+        h: torch.Tensor,  # [B, T, E]
+        positions: torch.Tensor,  # [T]
+        layer_ids: range,
+        cache: Any,  # anything with KVCache.update()'s signature
+        mask_for: Callable[[int], torch.Tensor],  # layer index -> additive [B|1, 1, T, S]
     ) -> torch.Tensor:
         pos = positions[None]
         position_embeddings = self.rotary_emb(h, pos)
         for i in layer_ids:
             out = self.layers[i](
                 h,
-                attention_mask=self._mask(i, positions),
+                attention_mask=mask_for(i),
                 position_ids=pos,
-                past_key_values=self.cache,
+                past_key_values=cache,
                 use_cache=True,
                 position_embeddings=position_embeddings,
             )
             h = out[0] if isinstance(out, tuple) else out
         return h
+
+    def _run_cached(
+        self, h: torch.Tensor, positions: torch.Tensor, layer_ids: range, cache: KVCache
+    ) -> torch.Tensor:
+        return self.run_layers(
+            h, positions, layer_ids, cache, lambda i: self._cache_mask(cache, i, positions)
+        )
+
+    def _forward_hidden(
+        self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, wanted: set[int]
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """All layers + final norm on h [B, T, E]; returns (final [B, T, E], hidden dict)."""
+        hidden: dict[int, torch.Tensor] = {}
+        num_layers = self.shape.num_layers
+        cut_points = sorted({0, num_layers, *(i for i in wanted if i < num_layers)})
+        for a, b in itertools.pairwise(cut_points):
+            if a in wanted:
+                hidden[a] = h
+            h = self._run_cached(h, positions, range(a, b), cache)
+        h = self.norm(h)
+        if num_layers in wanted:
+            hidden[num_layers] = h
+        return h, hidden
 
     @torch.no_grad()
     def forward(self, token_ids: torch.Tensor, hidden_layers: Sequence[int] = ()) -> TargetOutput:
@@ -191,20 +228,29 @@ class HFTarget:
             )
         positions = torch.arange(start, start + token_ids.shape[0], device=self.device)
         h = self.embed_tokens(token_ids.to(self.device))[None]
-        hidden: dict[int, torch.Tensor] = {}
-        num_layers = self.shape.num_layers
-        wanted = set(hidden_layers)
-        cut_points = sorted({0, num_layers, *(i for i in wanted if i < num_layers)})
-        for a, b in itertools.pairwise(cut_points):
-            if a in wanted:
-                hidden[a] = h[0]
-            h = self._run_layers(h, positions, range(a, b))
-        h = self.norm(h)
-        if num_layers in wanted:
-            hidden[num_layers] = h[0]
+        h, hidden = self._forward_hidden(h, positions, self.cache, set(hidden_layers))
         return TargetOutput(
             logits=self.lm_logits(h[0]),
-            layer_kv=self.read_kv(start, start + token_ids.shape[0]),
+            layer_kv=kv_rows(self.cache, start, start + token_ids.shape[0])[0],
+            hidden_states={k: v[0] for k, v in hidden.items()},
+        )
+
+    @torch.no_grad()
+    def forward_batch(
+        self, input_ids: torch.Tensor, hidden_layers: Sequence[int] = ()
+    ) -> TargetOutput:
+        """Independent right-padded sequences [B, T] from scratch (the cache is untouched).
+
+        Returns logits [B, T, V], layer_kv [B, T, L, 2*E_kv], hidden_states {l: [B, T, E]}.
+        Padding sits after every real token, so the causal mask alone keeps it out.
+        """
+        cache = KVCache(self.shape.num_layers)
+        positions = torch.arange(input_ids.shape[1], device=self.device)
+        h = self.embed_tokens(input_ids.to(self.device))
+        h, hidden = self._forward_hidden(h, positions, cache, set(hidden_layers))
+        return TargetOutput(
+            logits=self.lm_head(h).float(),
+            layer_kv=kv_rows(cache, 0, input_ids.shape[1]),
             hidden_states=hidden,
         )
 
@@ -217,14 +263,23 @@ class HFTarget:
         before the next target pass."""
         total = self.shape.num_layers
         layer_ids = range(total - num_layers, total)
-        h = self._run_layers(hidden[None].to(self.dtype), positions, layer_ids)
+        h = self._run_cached(hidden[None].to(self.dtype), positions, layer_ids, self.cache)
         return self.norm(h)[0]
 
-    def read_kv(self, start: int, end: int) -> torch.Tensor:
-        """K|V of cached positions [start, end) in every layer -> [T, L, 2*E_kv]."""
-        per_layer = []
-        for i in range(self.shape.num_layers):
-            k, v = self.cache.get(i)  # [1, Hkv, S, D]
-            kv = torch.stack([k[0, :, start:end], v[0, :, start:end]], dim=2)  # [Hkv, T, 2, D]
-            per_layer.append(kv.permute(1, 0, 2, 3).flatten(1))  # [T, 2*E_kv]
-        return torch.stack(per_layer, dim=1)
+
+def kv_rows(cache: KVCache, start: int, end: int) -> torch.Tensor:
+    """K|V of cached positions [start, end) in every layer -> [B, T, L, 2*E_kv], per layer
+    `[k_h0 | v_h0 | k_h1 | v_h1 | ...]`."""
+    per_layer = []
+    for i in range(cache.num_layers):
+        k, v = cache.get(i)  # [B, Hkv, S, D]
+        kv = torch.stack([k[:, :, start:end], v[:, :, start:end]], dim=3)  # [B, Hkv, T, 2, D]
+        per_layer.append(kv.permute(0, 2, 1, 3, 4).flatten(2))  # [B, T, 2*E_kv]
+    return torch.stack(per_layer, dim=2)
+
+
+def split_kv(layer_kv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's [B, T, 2*E_kv] -> K, V [B, Hkv, T, D] (the inverse of kv_rows' layout)."""
+    b, t, _ = layer_kv.shape
+    kv = layer_kv.view(b, t, num_kv_heads, 2, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, 2, T, D]
+    return kv[:, :, 0], kv[:, :, 1]

@@ -1,0 +1,231 @@
+"""Training: data formats, the aligned TLI tail, loss going down, exact resume after SIGKILL."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import OracleMoAProposer, make_drafter
+
+from vllm_moa.decoding import SpeculativeEngine
+from vllm_moa.training.data import collate, load_examples
+from vllm_moa.training.methods import MoAMethod
+
+PROMPT = [3, 17, 99, 42, 7, 250, 8, 61, 5]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_target_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_target_dir)
+
+
+def test_data_formats_and_loss_masks(tmp_path, tokenizer):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text(
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": "hello there"},
+                    {"role": "user", "content": "more"},
+                    {"role": "assistant", "content": "ok"},
+                ]
+            }
+        )
+        + "\n"
+    )
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text(json.dumps({"question": "1+1?", "answer": "2"}) + "\n")
+    text = tmp_path / "code.py"
+    text.write_text("def f(x):\n    return x\n" * 20)
+    chat_ex, pair_ex, *text_ex = load_examples([chat, pairs, text], tokenizer, max_length=32)
+    # Chat: only the assistant turns (content + end-of-turn) are targets.
+    rendered = tokenizer.decode(
+        [t for t, m in zip(chat_ex.input_ids, chat_ex.loss_mask, strict=True) if m]
+    )
+    assert [x.strip() for x in rendered.split("</s>")] == ["hello there", "ok", ""]
+    assert not any(chat_ex.loss_mask[: chat_ex.prompt_len])
+    # Pairs: the answer and EOS.
+    assert (
+        tokenizer.decode(
+            [t for t, m in zip(pair_ex.input_ids, pair_ex.loss_mask, strict=True) if m]
+        )
+        == "2</s>"
+    )
+    # Text: every token, in chunks of max_length.
+    assert len(text_ex) > 1 and all(len(e.input_ids) <= 32 and all(e.loss_mask) for e in text_ex)
+    batch = collate([chat_ex, pair_ex])
+    assert batch.input_ids.shape == (2, len(chat_ex.input_ids))
+    # Position t is trained when token t+1 is a target; padding never.
+    assert batch.loss_mask[1].tolist()[: len(pair_ex.input_ids) - 1] == pair_ex.loss_mask[1:]
+    assert not batch.loss_mask[1, len(pair_ex.input_ids) - 1 :].any()
+
+
+def test_data_errors(tmp_path, tokenizer):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_examples([tmp_path / "none.jsonl"], tokenizer, 32)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"foo": 1}\n')
+    with pytest.raises(ValueError, match="has no `messages`, `prompt`/`response`"):
+        load_examples([bad], tokenizer, 32)
+    bad.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"bad\.jsonl:1 is not valid JSON"):
+        load_examples([bad], tokenizer, 32)
+
+
+def test_forward_batch_matches_single_sequences(llama_target):
+    t = llama_target
+    a, b = torch.arange(1, 12), torch.arange(20, 27)
+    padded = torch.zeros(2, 11, dtype=torch.long)
+    padded[0], padded[1, :7] = a, b
+    out = t.forward_batch(padded, hidden_layers=(1, 3))
+    for row, ids in enumerate((a, b)):
+        t.reset()
+        single = t.forward(ids, hidden_layers=(1, 3))
+        n = len(ids)
+        torch.testing.assert_close(out.logits[row, :n], single.logits, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out.layer_kv[row, :n], single.layer_kv, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(out.hidden_states[1][row, :n], single.hidden_states[1])
+
+
+@pytest.mark.parametrize("tli", [0, 1, 2])
+def test_training_forward_equals_inference_drafts(llama_target, tli):
+    """The training forward (K-bounded masks, aligned TLI tail) reproduces, token for token,
+    the logits the incremental proposer drafted at inference (where the drafts were accepted)."""
+    drafter = make_drafter(llama_target, tli=tli)
+    proposer = OracleMoAProposer(drafter, llama_target, corrupt_every=4)
+    cycles = []
+    original = proposer.propose
+
+    def recording(last, k, params, gen):
+        prefix, start = list(proposer.tokens), len(proposer.raw_log)
+        proposal = original(last, k, params, gen)
+        cycles.append((len(prefix), proposal.tokens, torch.stack(proposer.raw_log[start:])))
+        return proposal
+
+    proposer.propose = recording
+    result = SpeculativeEngine(llama_target, proposer).generate(
+        PROMPT, 30, num_speculative_tokens=4
+    )
+    seq = PROMPT + result.token_ids
+    limits = torch.arange(len(seq))
+    checks = []
+    for p, drafts, raw in cycles:
+        n = 0
+        while n < len(drafts) and p + 1 + n < len(seq) and drafts[n] == seq[p + 1 + n]:
+            n += 1
+        for i in range(min(n + 1, len(drafts))):
+            limits[p + i] = p
+            checks.append((p + i, raw[i]))
+    assert len(checks) > len(cycles)  # accepted drafts were checked too
+    method = MoAMethod(drafter, llama_target)
+    ids = torch.tensor([seq])
+    batch = collate(
+        [
+            type(
+                "E",
+                (),
+                {"input_ids": seq, "loss_mask": [True] * len(seq), "prompt_len": len(PROMPT)},
+            )()
+        ]
+    )
+    with torch.no_grad():
+        target_out = llama_target.forward_batch(ids, method.hidden_layers)
+        out = method.forward(batch, target_out, limits[None], None)
+    for pos, row in checks:
+        torch.testing.assert_close(out.logits[0, pos], row, atol=1e-4, rtol=1e-4)
+
+
+def _train_cmd(target, data, out, steps, extra=()):
+    return [
+        sys.executable,
+        "-m",
+        "vllm_moa.cli.main",
+        "train",
+        "--target",
+        target,
+        "--data",
+        *data,
+        "--out",
+        str(out),
+        "--max-steps",
+        str(steps),
+        "--batch-size",
+        "4",
+        "--max-length",
+        "64",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "3",
+        "--seed",
+        "7",
+        "--eval-examples",
+        "0",
+        "--device",
+        "cpu",
+        *extra,
+    ]
+
+
+def _losses(out):
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
+    return {r["step"]: r["loss"] for r in rows}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tli", [1])
+def test_resume_after_sigkill_reproduces_the_losses(tmp_path, tiny_target_dir, tli):
+    import sysconfig
+
+    data = [os.path.join(sysconfig.get_paths()["stdlib"], n) for n in ("csv.py", "glob.py")]
+    steps, every = 30, 6
+    extra = ("--tli", str(tli), "--save-every", str(every))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    ref = tmp_path / "ref"
+    subprocess.run(
+        _train_cmd(tiny_target_dir, data, ref, steps, extra),
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        _train_cmd(tiny_target_dir, data, killed, steps, extra),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while not (killed / "checkpoint.pt").exists() and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # let it run past the checkpoint, logging steps that must be dropped
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    saved = torch.load(killed / "checkpoint.pt", weights_only=False)["step"]
+    assert saved < steps, "the run finished before it could be killed"
+    subprocess.run(
+        _train_cmd(tiny_target_dir, data, killed, steps, (*extra, "--resume")),
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    expected, got = _losses(ref), _losses(killed)
+    assert sorted(got) == list(range(1, steps + 1))
+    assert [got[s] for s in range(saved + 1, steps + 1)] == [
+        expected[s] for s in range(saved + 1, steps + 1)
+    ]
+    # Training moves: the last losses are below the first ones.
+    assert sum(expected[s] for s in range(steps - 4, steps + 1)) < sum(
+        expected[s] for s in range(1, 6)
+    )
+    assert (killed / "drafter" / "model.safetensors").is_file()
+    assert (killed / "metrics.png").is_file()

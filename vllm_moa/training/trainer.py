@@ -1,0 +1,243 @@
+"""The distillation loop: online target features, resumable checkpoints, metrics, evaluation.
+
+Determinism: the batch order is a function of (seed, epoch) and every random draw of a step
+(refresh intervals, feature noise) comes from a generator seeded with (seed, step, micro-batch),
+so a run resumed from the checkpoint of step s logs the same losses as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from vllm_moa.target.adapter import HFTarget
+from vllm_moa.training.config import TrainConfig
+from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_examples
+from vllm_moa.training.distributed import DistContext
+from vllm_moa.training.evaluation import evaluate
+from vllm_moa.training.factory import build_method, save_method_drafter
+from vllm_moa.training.losses import masked_kl, masked_smooth_l1
+from vllm_moa.training.methods import DraftMethod
+from vllm_moa.training.schedule import memory_limits, step_generator
+
+CHECKPOINT = "checkpoint.pt"
+METRICS = "metrics.jsonl"
+
+
+@dataclass
+class StepLoss:
+    loss: torch.Tensor  # scalar, differentiable
+    kl: float
+    feature: float
+    tokens: int
+
+
+def compute_loss(
+    method: DraftMethod,
+    target: HFTarget,
+    batch: Batch,
+    cfg: TrainConfig,
+    gen: torch.Generator,
+    staircase: bool,
+) -> StepLoss:
+    with torch.no_grad():
+        target_out = target.forward_batch(batch.input_ids, method.hidden_layers)
+    limits = memory_limits(batch.prompt_len, batch.input_ids.shape[1], cfg, gen)
+    out = method.forward(batch, target_out, limits.to(target.device), limits if staircase else None)
+    mask = batch.loss_mask.to(target.device)
+    kl = masked_kl(target_out.logits, out.logits, mask)
+    feature = sum(masked_smooth_l1(p, t, mask) for p, t in out.features) / max(1, len(out.features))
+    loss = cfg.kl_weight * kl + cfg.feature_weight * feature
+    feature_value = float(feature.detach()) if isinstance(feature, torch.Tensor) else 0.0
+    return StepLoss(loss, kl.item(), feature_value, int(mask.sum().item()))  # device syncs
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, dist: DistContext | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.dist = dist or DistContext.from_env(cfg.device)
+        self.out = Path(cfg.out)
+        self.target = HFTarget.from_pretrained(cfg.target, device=self.dist.device)
+        for p in self.target.model.parameters():
+            p.requires_grad_(False)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+        examples = load_examples(cfg.data, tokenizer, cfg.max_length)
+        held = min(cfg.eval_examples, len(examples) // 5)
+        self.train_examples: list[Example] = examples[: len(examples) - held] or examples
+        self.eval_examples: list[Example] = examples[len(examples) - held :]
+        self.pad_id = tokenizer.pad_token_id or 0
+        self.method = build_method(cfg, self.target)
+        self.method.model.to(self.dist.device)
+        # Forward passes go through the (possibly DDP-wrapped) module so gradients sync.
+        self.method.module = self.dist.wrap(self.method.model)
+        self.optimizer = torch.optim.AdamW(
+            self.method.model.parameters(),
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            weight_decay=cfg.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg)
+        )
+        self._epochs: dict[int, list[list[int]]] = {}
+
+    # ---- data ----
+    def _batch(self, index: int) -> Batch:
+        """The index-th micro-batch of the whole run (epochs reshuffled deterministically)."""
+        per_epoch = len(self._epoch(0))
+        epoch, i = divmod(index, per_epoch)
+        ids = self._epoch(epoch)[i]
+        return collate([self.train_examples[j] for j in ids], self.pad_id)
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epochs:
+            self._epochs = {
+                epoch: epoch_batches(self.train_examples, self.cfg.batch_size, self.cfg.seed, epoch)
+            }
+        return self._epochs[epoch]
+
+    # ---- checkpoints ----
+    def _save_checkpoint(self, step: int) -> None:
+        if not self.dist.is_main:
+            return
+        state = {
+            "step": step,
+            "model": self.method.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "config": self.cfg.to_dict(),
+        }
+        tmp = self.out / (CHECKPOINT + ".tmp")
+        torch.save(state, tmp)
+        os.replace(tmp, self.out / CHECKPOINT)  # atomic: a kill never leaves half a checkpoint
+
+    def _load_checkpoint(self) -> int:
+        path = self.out / CHECKPOINT
+        if not path.is_file():
+            raise FileNotFoundError(f"--resume given but there is no {path}")
+        state = torch.load(path, map_location=self.dist.device, weights_only=False)
+        self.method.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return int(state["step"])
+
+    def _open_metrics(self, start_step: int) -> Any:
+        path = self.out / METRICS
+        kept = []
+        if start_step and path.is_file():  # drop what a killed run logged after its checkpoint
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= start_step
+            ]
+        path.write_text("".join(line + "\n" for line in kept))
+        return path.open("a")
+
+    # ---- the loop ----
+    def train(self) -> Path:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main:
+            cfg.save(self.out / "train_config.json")
+        start = self._load_checkpoint() if cfg.resume else 0
+        metrics = self._open_metrics(start) if self.dist.is_main else None
+        bar = tqdm(
+            total=cfg.max_steps,
+            initial=start,
+            disable=not self.dist.is_main,
+            dynamic_ncols=True,
+            mininterval=2.0,
+            desc="train",
+        )
+        t0, tokens = time.perf_counter(), 0
+        for step in range(start + 1, cfg.max_steps + 1):
+            record = self._step(step)
+            tokens += record.pop("tokens")
+            bar.update(1)
+            bar.set_postfix(
+                loss=f"{record['loss']:.4f}", tok_s=f"{tokens / (time.perf_counter() - t0):.0f}"
+            )
+            log = step % cfg.log_every == 0 or step == cfg.max_steps
+            if (cfg.eval_every and step % cfg.eval_every == 0) or step == cfg.max_steps:
+                record.update(self._evaluate())
+                log = True
+            if log and metrics is not None:
+                record.update(step=step, tokens_per_second=tokens / (time.perf_counter() - t0))
+                metrics.write(json.dumps(record) + "\n")
+                metrics.flush()
+            if cfg.save_every and step % cfg.save_every == 0:
+                self._save_checkpoint(step)
+        bar.close()
+        self._save_checkpoint(cfg.max_steps)
+        if metrics is not None:
+            metrics.close()
+        return self._finish()
+
+    def _step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        self.method.model.train()
+        staircase = cfg.sa_staircase and step <= cfg.max_steps // 2
+        totals = {"loss": 0.0, "kl": 0.0, "feature": 0.0, "tokens": 0}
+        autocast = self._autocast()
+        for micro in range(cfg.grad_accum):
+            index = ((step - 1) * cfg.grad_accum + micro) * self.dist.world + self.dist.rank
+            gen = step_generator(cfg.seed, step, micro * self.dist.world + self.dist.rank)
+            with autocast:
+                out = compute_loss(
+                    self.method, self.target, self._batch(index), cfg, gen, staircase
+                )
+            (out.loss / cfg.grad_accum).backward()
+            totals["loss"] += out.loss.item() / cfg.grad_accum  # device sync, once per micro-batch
+            totals["kl"] += out.kl / cfg.grad_accum
+            totals["feature"] += out.feature / cfg.grad_accum
+            totals["tokens"] += out.tokens
+        torch.nn.utils.clip_grad_norm_(self.method.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        reduced = self.dist.mean({k: float(v) for k, v in totals.items() if k != "tokens"})
+        return {**reduced, "lr": self.scheduler.get_last_lr()[0], "tokens": totals["tokens"]}
+
+    def _autocast(self) -> Any:
+        use = self.cfg.autocast == "bf16" or (
+            self.cfg.autocast == "auto" and self.dist.device.startswith("cuda")
+        )
+        return torch.autocast("cuda", dtype=torch.bfloat16) if use else nullcontext()
+
+    def _evaluate(self) -> dict[str, Any]:
+        if not self.eval_examples:
+            return {}
+        self.method.model.eval()
+        with torch.no_grad(), self._autocast():
+            result = evaluate(self.method, self.target, self.eval_examples, self.cfg, self.pad_id)
+        return {f"eval_{k}": v for k, v in result.items()}
+
+    def _finish(self) -> Path:
+        drafter_dir = self.out / "drafter"
+        if self.dist.is_main:
+            save_method_drafter(self.method, drafter_dir)
+            from vllm_moa.training.plot import plot_metrics
+
+            plot_metrics(self.out / METRICS, self.out / "metrics.png")
+        self.dist.barrier()
+        return drafter_dir
