@@ -77,7 +77,7 @@ def test_config_validation_names_the_field(change, message):
 
 def test_config_from_dict_errors():
     d = make_config(TINY, "small").to_dict()
-    with pytest.raises(ValueError, match="unknown MoA config keys"):
+    with pytest.raises(ValueError, match="unknown MoAConfig keys"):
         MoAConfig.from_dict({**d, "lsa_num_head": 2})
     with pytest.raises(ValueError, match="model_type is 'llama'"):
         MoAConfig.from_dict({**d, "model_type": "llama"})

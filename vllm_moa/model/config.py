@@ -6,7 +6,9 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
+
+from typing_extensions import Self
 
 MOA_ARCHITECTURE = "MoADrafter"
 MOA_MODEL_TYPE = "moa_drafter"
@@ -41,13 +43,137 @@ class TargetShape:
         return self.num_kv_heads * self.head_dim
 
 
+class DrafterConfig:
+    """JSON round trip, validation helpers and target checks shared by every drafter config.
+
+    Subclasses are frozen dataclasses with the target fields below plus their own, and set
+    MODEL_TYPE / ARCHITECTURE (the config.json `model_type` and `architectures[0]`).
+    """
+
+    MODEL_TYPE: ClassVar[str]
+    ARCHITECTURE: ClassVar[str]
+    target_num_layers: int
+    target_hidden_size: int
+    target_num_kv_heads: int
+    target_head_dim: int
+    vocab_size: int
+
+    def _check_numbers(self, allow_zero: tuple[str, ...] = ()) -> None:
+        name = type(self).__name__
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"{name}.{f.name} must be an int, got {value!r}")
+            if f.type == "float" and not isinstance(value, (int, float)):
+                raise TypeError(f"{name}.{f.name} must be a number, got {value!r}")
+            if f.type in ("int", "float") and f.name not in allow_zero and value <= 0:
+                raise ValueError(f"{name}.{f.name} must be > 0, got {value}")
+
+    def _check_heads(self, name: str, width: int, heads: int, kv_heads: int) -> None:
+        cls = type(self).__name__
+        if width % heads:
+            raise ValueError(
+                f"{cls}.{name}_num_heads={heads} must divide the {name.upper()} width {width}"
+            )
+        if heads % kv_heads:
+            raise ValueError(
+                f"{cls}.{name}_num_kv_heads={kv_heads} must divide {name}_num_heads={heads}"
+            )
+        if (width // heads) % 2:
+            raise ValueError(
+                f"{cls}: {name.upper()} head size {width // heads} (= {width} / {heads} heads) "
+                "must be even for rotary embeddings; choose another head count"
+            )
+
+    @property
+    def target_shape(self) -> TargetShape:
+        return TargetShape(
+            num_layers=self.target_num_layers,
+            hidden_size=self.target_hidden_size,
+            num_kv_heads=self.target_num_kv_heads,
+            head_dim=self.target_head_dim,
+            vocab_size=self.vocab_size,
+        )
+
+    def check_target(self, target: TargetShape) -> None:
+        """Raise if this drafter was built for a target of another shape."""
+        mine = self.target_shape
+        checks = [
+            ("vocab size", mine.vocab_size, target.vocab_size),
+            ("layer count", mine.num_layers, target.num_layers),
+            ("KV width (num_kv_heads * head_dim)", mine.kv_width, target.kv_width),
+            ("KV heads", mine.num_kv_heads, target.num_kv_heads),
+            ("hidden size", mine.hidden_size, target.hidden_size),
+        ]
+        for what, drafter_value, target_value in checks:
+            if drafter_value != target_value:
+                raise ValueError(
+                    f"drafter was built for a target with {what} {drafter_value}, but the target "
+                    f"has {target_value}; use a drafter made for this target "
+                    "(`vllm-moa init-drafter --target ...` or train one)"
+                )
+
+    # ---- JSON round trip (Hugging Face style config.json) ----
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"architectures": [self.ARCHITECTURE], "model_type": self.MODEL_TYPE}
+        out.update(dataclasses.asdict(self))  # type: ignore[call-overload]
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        model_type = data.get("model_type")
+        if model_type != cls.MODEL_TYPE:
+            raise ValueError(
+                f"config model_type is {model_type!r}, expected {cls.MODEL_TYPE!r}: this is not a "
+                "vllm-moa drafter config (for the authors' release use `vllm-moa convert-official`)"
+            )
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        names = {f.name for f in fields}
+        unknown = sorted(set(data) - names - _HF_METADATA_KEYS)
+        if unknown:
+            raise ValueError(f"unknown {cls.__name__} keys {unknown}; known keys: {sorted(names)}")
+        missing = sorted(
+            f.name
+            for f in fields
+            if f.name not in data
+            and f.default is dataclasses.MISSING
+            and f.default_factory is dataclasses.MISSING
+        )
+        if missing:
+            raise ValueError(f"{cls.__name__} config is missing required keys {missing}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> Self:
+        return cls.from_dict(read_config_json(path))
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no drafter config at {path}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 @dataclass(frozen=True)
-class MoAConfig:
+class MoAConfig(DrafterConfig):
     """Architecture of a Mixture of Attentions drafter (see docs: MOA_SPEC.md).
 
     LSA runs over the layer axis with width 2 * E_kv; SA and CA run over tokens with width E.
     Head sizes are derived: width / num_heads.
     """
+
+    MODEL_TYPE: ClassVar[str] = MOA_MODEL_TYPE
+    ARCHITECTURE: ClassVar[str] = MOA_ARCHITECTURE
 
     # The target this drafter was built for.
     target_num_layers: int
@@ -82,16 +208,7 @@ class MoAConfig:
                 f"MoAConfig.memory_source must be one of {list(MEMORY_SOURCES)}, "
                 f"got {self.memory_source!r}"
             )
-        for f in dataclasses.fields(self):
-            if f.type == "str":
-                continue
-            value = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise TypeError(f"MoAConfig.{f.name} must be an int, got {value!r}")
-            if f.type == "float" and not isinstance(value, (int, float)):
-                raise TypeError(f"MoAConfig.{f.name} must be a number, got {value!r}")
-            if f.name != "tli" and value <= 0:
-                raise ValueError(f"MoAConfig.{f.name} must be > 0, got {value}")
+        self._check_numbers(allow_zero=("tli",))
         if not 0 <= self.tli < self.target_num_layers:
             raise ValueError(
                 f"MoAConfig.tli must satisfy 0 <= tli < target_num_layers "
@@ -101,97 +218,10 @@ class MoAConfig:
         self._check_heads("sa", self.target_hidden_size, self.sa_num_heads, self.sa_num_kv_heads)
         self._check_heads("ca", self.target_hidden_size, self.ca_num_heads, self.ca_num_kv_heads)
 
-    @staticmethod
-    def _check_heads(name: str, width: int, heads: int, kv_heads: int) -> None:
-        if width % heads:
-            raise ValueError(
-                f"MoAConfig.{name}_num_heads={heads} must divide the {name.upper()} width {width}"
-            )
-        if heads % kv_heads:
-            raise ValueError(
-                f"MoAConfig.{name}_num_kv_heads={kv_heads} must divide {name}_num_heads={heads}"
-            )
-        if (width // heads) % 2:
-            raise ValueError(
-                f"MoAConfig: {name.upper()} head size {width // heads} (= {width} / {heads} heads) "
-                "must be even for rotary embeddings; choose another head count"
-            )
-
-    @property
-    def target_shape(self) -> TargetShape:
-        return TargetShape(
-            num_layers=self.target_num_layers,
-            hidden_size=self.target_hidden_size,
-            num_kv_heads=self.target_num_kv_heads,
-            head_dim=self.target_head_dim,
-            vocab_size=self.vocab_size,
-        )
-
     @property
     def lsa_width(self) -> int:
         """2 * E_kv: one token's K|V for one target layer."""
         return 2 * self.target_num_kv_heads * self.target_head_dim
 
-    def check_target(self, target: TargetShape) -> None:
-        """Raise if this drafter was built for a target of another shape."""
-        mine = self.target_shape
-        checks = [
-            ("vocab size", mine.vocab_size, target.vocab_size),
-            ("layer count", mine.num_layers, target.num_layers),
-            ("KV width (num_kv_heads * head_dim)", mine.kv_width, target.kv_width),
-            ("KV heads", mine.num_kv_heads, target.num_kv_heads),
-            ("hidden size", mine.hidden_size, target.hidden_size),
-        ]
-        for what, drafter_value, target_value in checks:
-            if drafter_value != target_value:
-                raise ValueError(
-                    f"drafter was built for a target with {what} {drafter_value}, but the target "
-                    f"has {target_value}; use a drafter made for this target "
-                    "(`vllm-moa init-drafter --target ...` or train one)"
-                )
-
     def replace(self, **changes: Any) -> MoAConfig:
         return dataclasses.replace(self, **changes)
-
-    # ---- JSON round trip (Hugging Face style config.json) ----
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"architectures": [MOA_ARCHITECTURE], "model_type": MOA_MODEL_TYPE}
-        out.update(dataclasses.asdict(self))
-        return out
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MoAConfig:
-        model_type = data.get("model_type")
-        if model_type != MOA_MODEL_TYPE:
-            raise ValueError(
-                f"config model_type is {model_type!r}, expected {MOA_MODEL_TYPE!r}: this is not a "
-                "vllm-moa drafter config (for the authors' release use `vllm-moa convert-official`)"
-            )
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names - _HF_METADATA_KEYS)
-        if unknown:
-            raise ValueError(f"unknown MoA config keys {unknown}; known keys: {sorted(names)}")
-        missing = sorted(
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.name not in data and f.default is dataclasses.MISSING
-        )
-        if missing:
-            raise ValueError(f"MoA config is missing required keys {missing}")
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path) -> MoAConfig:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise FileNotFoundError(f"no drafter config at {path}") from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-        return cls.from_dict(data)
