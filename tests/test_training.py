@@ -229,3 +229,82 @@ def test_resume_after_sigkill_reproduces_the_losses(tmp_path, tiny_target_dir, t
     )
     assert (killed / "drafter" / "model.safetensors").is_file()
     assert (killed / "metrics.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "method, extra",
+    [("moa", ("--tli", "1", "--memory-source", "hidden")), ("eagle", ()), ("independent", ())],
+)
+def test_train_then_generate_each_method(tmp_path, tiny_target_dir, capsys, method, extra):
+    import sysconfig
+
+    from vllm_moa.cli.main import main
+
+    data = os.path.join(sysconfig.get_paths()["stdlib"], "csv.py")
+    out = tmp_path / method
+    code = main(
+        [
+            "train",
+            "--target",
+            tiny_target_dir,
+            "--method",
+            method,
+            *extra,
+            "--data",
+            data,
+            "--out",
+            str(out),
+            "--max-steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--max-length",
+            "48",
+            "--eval-examples",
+            "4",
+            "--device",
+            "cpu",
+        ]
+    )
+    assert code == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and "eval_proxy_tau" in rows[-1]
+    capsys.readouterr()
+    gen = [
+        "generate",
+        "--target",
+        tiny_target_dir,
+        "--prompt",
+        "import os",
+        "--max-new-tokens",
+        "10",
+        "--json",
+    ]
+    assert main(gen) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*gen, "--drafter", str(out / "drafter")]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+
+
+def test_train_config_errors(tmp_path, tiny_target_dir, capsys):
+    from vllm_moa.cli.main import main
+
+    data = str(tmp_path / "missing.txt")
+    base = [
+        "train",
+        "--target",
+        tiny_target_dir,
+        "--out",
+        str(tmp_path / "o"),
+        "--max-steps",
+        "2",
+        "--device",
+        "cpu",
+    ]
+    assert main([*base, "--data", data]) == 1
+    assert "data file" in capsys.readouterr().err
+    (tmp_path / "d.txt").write_text("x = 1\n" * 50)
+    assert main([*base, "--data", str(tmp_path / "d.txt"), "--method", "eagle", "--tli", "1"]) == 1
+    assert "applies to MoA only" in capsys.readouterr().err
+    assert main([*base, "--data", str(tmp_path / "d.txt"), "--resume"]) == 1
+    assert "no " in capsys.readouterr().err

@@ -10,19 +10,34 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 import vllm_moa
-from vllm_moa.model.config import MoAConfig, TargetShape
+from vllm_moa.model.baselines import (
+    EagleConfig,
+    EagleDrafter,
+    IndependentConfig,
+    IndependentDrafter,
+)
+from vllm_moa.model.config import DrafterConfig, MoAConfig, TargetShape, read_config_json
 from vllm_moa.model.moa import MoADrafter
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+# config.json model_type -> (config class, module class)
+DRAFTER_KINDS: dict[str, tuple[type[DrafterConfig], type[nn.Module]]] = {
+    MoAConfig.MODEL_TYPE: (MoAConfig, MoADrafter),
+    EagleConfig.MODEL_TYPE: (EagleConfig, EagleDrafter),
+    IndependentConfig.MODEL_TYPE: (IndependentConfig, IndependentDrafter),
+}
 
 
-def save_drafter(drafter: MoADrafter, out_dir: str | Path) -> Path:
+def save_drafter(drafter: nn.Module, out_dir: str | Path) -> Path:
+    """Write config.json (drafter.config) and model.safetensors (the drafter's own weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = drafter.config.to_dict()
+    drafter_config: DrafterConfig = getattr(drafter, "config")  # noqa: B009 (typed access)
+    config = drafter_config.to_dict()
     config["vllm_moa_version"] = vllm_moa.__version__
     config["torch_dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
@@ -31,13 +46,21 @@ def save_drafter(drafter: MoADrafter, out_dir: str | Path) -> Path:
     return out
 
 
-def load_config(path: str | Path) -> MoAConfig:
+def load_config(path: str | Path) -> DrafterConfig:
+    """The drafter config in a directory, of the kind its model_type names."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"drafter directory {path} does not exist")
     if not path.is_dir():
         raise ValueError(f"drafter path {path} is not a directory")
-    return MoAConfig.load(path / CONFIG_NAME)
+    data = read_config_json(path / CONFIG_NAME)
+    kind = DRAFTER_KINDS.get(str(data.get("model_type")))
+    if kind is None:
+        raise ValueError(
+            f"{path / CONFIG_NAME} has model_type {data.get('model_type')!r}; expected one of "
+            f"{sorted(DRAFTER_KINDS)} (for the authors' MoA release: `vllm-moa convert-official`)"
+        )
+    return kind[0].from_dict(data)
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -49,7 +72,7 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"cannot read {path}: corrupt or not a safetensors file ({e})") from None
 
 
-def load_checked(drafter: MoADrafter, state: dict[str, torch.Tensor], source: str) -> None:
+def load_checked(drafter: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
     """Load `state` into `drafter`, naming missing/unexpected keys and wrong shapes."""
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(state))
@@ -73,13 +96,13 @@ def load_drafter(
     target: TargetShape | None = None,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
-) -> MoADrafter:
+) -> nn.Module:
     """Load a drafter directory; with `target`, check it was built for that target's shape."""
     path = Path(path)
     config = load_config(path)
     if target is not None:
         config.check_target(target)
-    drafter = MoADrafter(config)
+    drafter = DRAFTER_KINDS[config.MODEL_TYPE][1](config)
     load_checked(drafter, load_state_dict(path / WEIGHTS_NAME), str(path / WEIGHTS_NAME))
     if dtype is not None:
         drafter = drafter.to(dtype)

@@ -75,7 +75,7 @@ def run_generation(
     from transformers import AutoTokenizer
 
     from vllm_moa.checkpoint import load_drafter
-    from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine
+    from vllm_moa.decoding import SamplingParams, SpeculativeEngine, make_proposer
     from vllm_moa.target import HFTarget
 
     sampling = sampling or SamplingParams()
@@ -83,7 +83,7 @@ def run_generation(
     proposer = None
     if drafter_dir is not None:
         drafter = load_drafter(drafter_dir, target=target.shape, dtype=dtype, device=device)
-        proposer = MoAProposer(drafter, target)
+        proposer = make_proposer(drafter, target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     if chat:
         if not tokenizer.chat_template:

@@ -1,6 +1,8 @@
 """Standalone speculative decoding: sampling, verification, proposers and the engine."""
 
+from vllm_moa.decoding.baseline_proposers import EagleProposer, IndependentProposer
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
+from vllm_moa.decoding.factory import make_proposer
 from vllm_moa.decoding.moa_proposer import MoAProposer
 from vllm_moa.decoding.proposer import DraftProposal, Proposer
 from vllm_moa.decoding.sampling import SamplingParams, Verdict, verify_greedy, verify_rejection
@@ -8,13 +10,16 @@ from vllm_moa.decoding.stats import GenerationStats
 
 __all__ = [
     "DraftProposal",
+    "EagleProposer",
     "GenerationResult",
     "GenerationStats",
+    "IndependentProposer",
     "MoAProposer",
     "Proposer",
     "SamplingParams",
     "SpeculativeEngine",
     "Verdict",
+    "make_proposer",
     "verify_greedy",
     "verify_rejection",
 ]

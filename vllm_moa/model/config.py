@@ -69,19 +69,21 @@ class DrafterConfig:
             if f.type in ("int", "float") and f.name not in allow_zero and value <= 0:
                 raise ValueError(f"{name}.{f.name} must be > 0, got {value}")
 
-    def _check_heads(self, name: str, width: int, heads: int, kv_heads: int) -> None:
+    def _check_heads(self, prefix: str, width: int, heads: int, kv_heads: int) -> None:
+        """prefix: the field prefix ("sa_" for sa_num_heads, "" for num_heads)."""
         cls = type(self).__name__
+        what = prefix.rstrip("_").upper() or "hidden"
         if width % heads:
             raise ValueError(
-                f"{cls}.{name}_num_heads={heads} must divide the {name.upper()} width {width}"
+                f"{cls}.{prefix}num_heads={heads} must divide the {what} width {width}"
             )
         if heads % kv_heads:
             raise ValueError(
-                f"{cls}.{name}_num_kv_heads={kv_heads} must divide {name}_num_heads={heads}"
+                f"{cls}.{prefix}num_kv_heads={kv_heads} must divide {prefix}num_heads={heads}"
             )
         if (width // heads) % 2:
             raise ValueError(
-                f"{cls}: {name.upper()} head size {width // heads} (= {width} / {heads} heads) "
+                f"{cls}: {what} head size {width // heads} (= {width} / {heads} heads) "
                 "must be even for rotary embeddings; choose another head count"
             )
 
@@ -214,9 +216,9 @@ class MoAConfig(DrafterConfig):
                 f"MoAConfig.tli must satisfy 0 <= tli < target_num_layers "
                 f"({self.target_num_layers}), got {self.tli}"
             )
-        self._check_heads("lsa", self.lsa_width, self.lsa_num_heads, self.lsa_num_kv_heads)
-        self._check_heads("sa", self.target_hidden_size, self.sa_num_heads, self.sa_num_kv_heads)
-        self._check_heads("ca", self.target_hidden_size, self.ca_num_heads, self.ca_num_kv_heads)
+        self._check_heads("lsa_", self.lsa_width, self.lsa_num_heads, self.lsa_num_kv_heads)
+        self._check_heads("sa_", self.target_hidden_size, self.sa_num_heads, self.sa_num_kv_heads)
+        self._check_heads("ca_", self.target_hidden_size, self.ca_num_heads, self.ca_num_kv_heads)
 
     @property
     def lsa_width(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_moa.model.baselines import EagleConfig, IndependentConfig
 from vllm_moa.model.config import MoAConfig, TargetShape
 
 PRESETS = ("paper", "small")
@@ -41,6 +42,14 @@ def _kv_heads(heads: int, wanted: int) -> int:
     return _largest_divisor_at_most(heads, max(1, wanted))
 
 
+def _token_heads(target: TargetInfo) -> int:
+    """The target's head count if it splits E into even heads, else heads of ~head_dim."""
+    heads, width = target.num_attention_heads, target.shape.hidden_size
+    if width % heads or (width // heads) % 2:
+        return _heads_for(width, target.shape.head_dim)
+    return heads
+
+
 def make_config(
     target: TargetInfo, preset: str = "paper", tli: int = 0, memory_source: str = "lsa"
 ) -> MoAConfig:
@@ -49,9 +58,7 @@ def make_config(
     s = target.shape
     width = 2 * s.kv_width
     lsa_heads = _heads_for(width, 64)
-    tok_heads = target.num_attention_heads
-    if s.hidden_size % tok_heads or (s.hidden_size // tok_heads) % 2:
-        tok_heads = _heads_for(s.hidden_size, s.head_dim)
+    tok_heads = _token_heads(target)
     if preset == "paper":
         lsa_kv, tok_kv = lsa_heads // 4, s.num_kv_heads // 2
         lsa_mlp, tok_mlp = width * 3 // 2, s.hidden_size * 3 // 2
@@ -78,4 +85,49 @@ def make_config(
         lsa_rope_theta=10000.0,
         rms_norm_eps=target.rms_norm_eps,
         memory_source=memory_source,
+    )
+
+
+def make_eagle_config(target: TargetInfo, preset: str = "paper") -> EagleConfig:
+    """One decoder layer at the target's width (EAGLE); `small` shrinks the MLP and KV heads."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    s = target.shape
+    heads = _token_heads(target)
+    small = preset == "small"
+    return EagleConfig(
+        target_num_layers=s.num_layers,
+        target_hidden_size=s.hidden_size,
+        target_num_kv_heads=s.num_kv_heads,
+        target_head_dim=s.head_dim,
+        vocab_size=s.vocab_size,
+        num_heads=heads,
+        num_kv_heads=_kv_heads(heads, s.num_kv_heads // (4 if small else 1)),
+        intermediate_size=max(8, s.hidden_size * (3 if small else 7) // 2),
+        rope_theta=target.rope_theta,
+        rms_norm_eps=target.rms_norm_eps,
+    )
+
+
+def make_independent_config(
+    target: TargetInfo, preset: str = "paper", num_layers: int = 2
+) -> IndependentConfig:
+    """A `num_layers`-layer LM at the target's width sharing its embeddings and LM head."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    s = target.shape
+    heads = _token_heads(target)
+    small = preset == "small"
+    return IndependentConfig(
+        target_num_layers=s.num_layers,
+        target_hidden_size=s.hidden_size,
+        target_num_kv_heads=s.num_kv_heads,
+        target_head_dim=s.head_dim,
+        vocab_size=s.vocab_size,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=_kv_heads(heads, s.num_kv_heads // (4 if small else 2)),
+        intermediate_size=max(8, s.hidden_size * 3 // (4 if small else 2)),
+        rope_theta=target.rope_theta,
+        rms_norm_eps=target.rms_norm_eps,
     )

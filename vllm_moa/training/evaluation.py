@@ -47,6 +47,8 @@ def evaluate(
         out = method.forward(batch, target_out, limits.to(target.device), None)
         positions = torch.arange(seq)
         response = batch.loss_mask & (positions[None] >= batch.prompt_len[:, None])
+        if out.valid is not None:
+            response &= out.valid.cpu()
         stale = positions[None] - limits
         hit = (out.logits.argmax(-1) == target_out.logits.argmax(-1)).cpu()
         for s in range(k):

@@ -4,29 +4,51 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torch import nn
+
 from vllm_moa.checkpoint import load_drafter, save_drafter
 from vllm_moa.model import MoADrafter, make_config
+from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+from vllm_moa.model.presets import make_eagle_config, make_independent_config
 from vllm_moa.target.adapter import HFTarget
 from vllm_moa.target.info import load_target_info
 from vllm_moa.training.config import TrainConfig
-from vllm_moa.training.methods import DraftMethod, MoAMethod
+from vllm_moa.training.methods import DraftMethod, EagleMethod, IndependentMethod, MoAMethod
+
+
+def new_drafter(cfg: TrainConfig) -> nn.Module:
+    """A freshly initialised drafter of cfg.method, sized by cfg.preset for cfg.target."""
+    info = load_target_info(cfg.target)
+    drafter: nn.Module
+    if cfg.method == "moa":
+        drafter = MoADrafter(
+            make_config(info, cfg.preset, tli=cfg.tli, memory_source=cfg.memory_source)
+        )
+    elif cfg.tli:
+        raise ValueError(f"--tli {cfg.tli} applies to MoA only; {cfg.method} drafts with TLI=0")
+    elif cfg.method == "eagle":
+        drafter = EagleDrafter(make_eagle_config(info, cfg.preset))
+    else:
+        drafter = IndependentDrafter(make_independent_config(info, cfg.preset))
+    drafter.init_weights(cfg.seed)
+    return drafter
+
+
+def method_for(drafter: nn.Module, target: HFTarget, cfg: TrainConfig) -> DraftMethod:
+    if isinstance(drafter, MoADrafter):
+        return MoAMethod(drafter, target)
+    if isinstance(drafter, EagleDrafter):
+        return EagleMethod(drafter, target, cfg.feature_noise)
+    if isinstance(drafter, IndependentDrafter):
+        return IndependentMethod(drafter, target)
+    raise TypeError(f"cannot train a {type(drafter).__name__}")
 
 
 def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
     if cfg.drafter is not None:
-        drafter = load_drafter(cfg.drafter, target=target.shape)
-        return MoAMethod(drafter, target)
-    if cfg.method == "moa":
-        info = load_target_info(cfg.target)
-        config = make_config(info, cfg.preset, tli=cfg.tli, memory_source=cfg.memory_source)
-        drafter = MoADrafter(config)
-        drafter.init_weights(cfg.seed)
-        return MoAMethod(drafter, target)
-    raise ValueError(f"method {cfg.method!r} is not trainable yet")
+        return method_for(load_drafter(cfg.drafter, target=target.shape), target, cfg)
+    return method_for(new_drafter(cfg), target, cfg)
 
 
 def save_method_drafter(method: DraftMethod, out: Path) -> Path:
-    model = method.model
-    if isinstance(model, MoADrafter):
-        return save_drafter(model, out)
-    raise TypeError(f"cannot save a {type(model).__name__}")
+    return save_drafter(method.model, out)

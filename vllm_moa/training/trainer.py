@@ -51,9 +51,16 @@ def compute_loss(
 ) -> StepLoss:
     with torch.no_grad():
         target_out = target.forward_batch(batch.input_ids, method.hidden_layers)
-    limits = memory_limits(batch.prompt_len, batch.input_ids.shape[1], cfg, gen)
-    out = method.forward(batch, target_out, limits.to(target.device), limits if staircase else None)
+    seq = batch.input_ids.shape[1]
+    if method.k_bounded:
+        limits = memory_limits(batch.prompt_len, seq, cfg, gen)
+    else:  # fresh target information at every position (1-step bounded)
+        limits = torch.arange(seq).expand(len(batch.prompt_len), seq)
+    limits = limits.to(target.device)
+    out = method.forward(batch, target_out, limits, limits if staircase else None, gen)
     mask = batch.loss_mask.to(target.device)
+    if out.valid is not None:
+        mask = mask & out.valid
     kl = masked_kl(target_out.logits, out.logits, mask)
     feature = sum(masked_smooth_l1(p, t, mask) for p, t in out.features) / max(1, len(out.features))
     loss = cfg.kl_weight * kl + cfg.feature_weight * feature

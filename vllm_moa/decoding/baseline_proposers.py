@@ -1,0 +1,145 @@
+"""Incremental proposers for the baseline drafters (EAGLE, independent), one sequence each."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moa.decoding.proposer import DraftProposal, choose_token
+from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+from vllm_moa.model.kv_cache import KVCache
+from vllm_moa.model.masks import causal_mask
+from vllm_moa.target.adapter import HFTarget, TargetOutput
+
+
+def _proposal(
+    drafts: list[int], logits: list[torch.Tensor], probs: list[torch.Tensor]
+) -> DraftProposal:
+    return DraftProposal(
+        tokens=drafts,
+        logits=torch.stack(logits),
+        probs=torch.stack(probs) if probs else None,
+    )
+
+
+class EagleProposer:
+    """EAGLE drafting: input i = (x_{i+1}, f_i). The layer's KV cache holds only positions whose
+    feature was the target's true one; drafted positions (predicted features) are recomputed
+    after each verification."""
+
+    def __init__(self, drafter: EagleDrafter, target: HFTarget) -> None:
+        drafter.config.check_target(target.shape)
+        self.drafter = drafter.eval()
+        self.target = target
+        self.hidden_layers: tuple[int, ...] = (target.shape.num_layers,)
+        self.cache = KVCache(1)
+        self.tokens: list[int] = []
+        self.features = torch.empty(0)  # [p, E]: the target's final hidden states
+        self._last_token: int | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.drafter.fc.weight.dtype
+
+    def start(self, prompt_ids: list[int], prefill: TargetOutput) -> None:
+        self.cache.reset()
+        self.tokens = list(prompt_ids)
+        self.features = prefill.hidden_states[self.target.shape.num_layers]
+        self._last_token = None
+
+    @torch.no_grad()
+    def _step(self, first: int, next_ids: list[int], features: torch.Tensor) -> torch.Tensor:
+        """Run positions first.. with inputs (x_{i+1}, f_i); return the last output [E]."""
+        device = self.target.device
+        positions = torch.arange(first, first + len(next_ids), device=device)
+        emb = self.target.embed(torch.tensor(next_ids, device=device)).to(self.dtype)
+        x = self.drafter.fuse(emb[None], features.to(self.dtype)[None])
+        layer = self.drafter.layer
+        k, v = self.cache.update(*layer.kv_from(x, positions), 0)
+        return layer(x[:, -1:], positions[-1:], k, v, None)[0, -1]
+
+    def propose(
+        self, last_token: int, num_tokens: int, params: SamplingParams, gen: torch.Generator | None
+    ) -> DraftProposal:
+        p, first = len(self.tokens), self.cache.length()
+        seq = [*self.tokens, last_token]
+        predicted = self._step(first, seq[first + 1 : p + 1], self.features[first:p])
+        drafts: list[int] = []
+        logits, probs = [], []
+        for i in range(num_tokens):
+            row = self.target.lm_logits(predicted[None].to(self.target.dtype))[0]
+            token, dist = choose_token(row, params, gen)
+            drafts.append(token)
+            logits.append(row)
+            if dist is not None:
+                probs.append(dist)
+            if i + 1 < num_tokens:  # position p+i: (draft token, predicted feature)
+                predicted = self._step(p + i, [token], predicted[None])
+        self.cache.crop(p)  # positions >= p used predicted features
+        self._last_token = last_token
+        return _proposal(drafts, logits, probs)
+
+    def accept(self, accepted: list[int], verified: TargetOutput) -> None:
+        if self._last_token is None:
+            raise RuntimeError("accept() called without a preceding propose()")
+        new = verified.hidden_states[self.target.shape.num_layers]
+        self.features = torch.cat([self.features, new])
+        self.tokens.extend([self._last_token, *accepted])
+        self._last_token = None
+
+
+class IndependentProposer:
+    """A small LM drafting on its own; its KV stays valid wherever the drafts were accepted."""
+
+    hidden_layers: tuple[int, ...] = ()
+
+    def __init__(self, drafter: IndependentDrafter, target: HFTarget) -> None:
+        drafter.config.check_target(target.shape)
+        self.drafter = drafter.eval()
+        self.target = target
+        self.cache = KVCache(len(drafter.blocks))
+        self.tokens: list[int] = []
+        self._last_token: int | None = None
+
+    def start(self, prompt_ids: list[int], prefill: TargetOutput) -> None:
+        self.cache.reset()
+        self.tokens = list(prompt_ids)
+        self._last_token = None
+
+    @torch.no_grad()
+    def _logits(self, seq: list[int]) -> torch.Tensor:
+        """Feed seq[cached:] and return the logits [V] after its last token."""
+        first, device = self.cache.length(), self.target.device
+        positions = torch.arange(first, len(seq), device=device)
+        h = self.target.embed(torch.tensor(seq[first:], device=device))[None]
+        h = h.to(self.drafter.norm.weight.dtype)
+        mask = causal_mask(positions, len(seq))
+        for i, block in enumerate(self.drafter.blocks):
+            k, v = self.cache.update(*block.kv_from(h, positions), i)
+            h = block(h, positions, k, v, mask)
+        last = self.drafter.norm(h[:, -1])
+        return self.target.lm_logits(last.to(self.target.dtype))[0]
+
+    def propose(
+        self, last_token: int, num_tokens: int, params: SamplingParams, gen: torch.Generator | None
+    ) -> DraftProposal:
+        seq = [*self.tokens, last_token]
+        drafts: list[int] = []
+        logits, probs = [], []
+        for _ in range(num_tokens):
+            row = self._logits(seq)
+            token, dist = choose_token(row, params, gen)
+            drafts.append(token)
+            seq.append(token)
+            logits.append(row)
+            if dist is not None:
+                probs.append(dist)
+        self._last_token = last_token
+        return _proposal(drafts, logits, probs)
+
+    def accept(self, accepted: list[int], verified: TargetOutput) -> None:
+        if self._last_token is None:
+            raise RuntimeError("accept() called without a preceding propose()")
+        self.tokens.extend([self._last_token, *accepted])
+        self.cache.crop(len(self.tokens))  # drop K/V of rejected drafts
+        self._last_token = None
