@@ -38,7 +38,9 @@ def stdlib_sources(max_bytes: int) -> list[Path]:
     """The interpreter's own standard library .py files, sorted, up to about max_bytes."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files, total = [], 0
-    for path in sorted(root.glob("*.py")):
+    top = sorted(root.glob("*.py"))
+    deeper = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts)
+    for path in dict.fromkeys([*top, *deeper]):  # top-level modules first, then packages
         if total >= max_bytes:
             break
         files.append(path)
@@ -73,14 +75,18 @@ def train_tokenizer(files: list[Path], vocab_size: int):  # -> PreTrainedTokeniz
     return fast
 
 
-def build_tiny_target(out_dir: str | Path, spec: TinyTargetSpec | None = None) -> Path:
-    """Write a tokenizer + randomly initialised Llama target into out_dir (an HF directory)."""
+def build_tiny_target(
+    out_dir: str | Path, spec: TinyTargetSpec | None = None, corpus: list[Path] | None = None
+) -> Path:
+    """Write a tokenizer + randomly initialised Llama target into out_dir (an HF directory).
+
+    The tokenizer is trained on `corpus` (default: stdlib sources up to spec.corpus_bytes)."""
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     spec = spec or TinyTargetSpec()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(stdlib_sources(spec.corpus_bytes), spec.vocab_size)
+    tokenizer = train_tokenizer(corpus or stdlib_sources(spec.corpus_bytes), spec.vocab_size)
     tokenizer.save_pretrained(out)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ("<s>", "</s>", "<pad>")}
     config = LlamaConfig(

@@ -115,6 +115,9 @@ class DrafterConfig:
                     "(`vllm-moa init-drafter --target ...` or train one)"
                 )
 
+    def replace(self, **changes: Any) -> Self:
+        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+
     # ---- JSON round trip (Hugging Face style config.json) ----
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"architectures": [self.ARCHITECTURE], "model_type": self.MODEL_TYPE}
@@ -224,6 +227,3 @@ class MoAConfig(DrafterConfig):
     def lsa_width(self) -> int:
         """2 * E_kv: one token's K|V for one target layer."""
         return 2 * self.target_num_kv_heads * self.target_head_dim
-
-    def replace(self, **changes: Any) -> MoAConfig:
-        return dataclasses.replace(self, **changes)

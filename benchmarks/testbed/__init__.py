@@ -1,0 +1,1 @@
+"""The reproducible testbed: a trained small target and drafters trained against it."""

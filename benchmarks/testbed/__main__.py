@@ -1,0 +1,137 @@
+"""One command, cached and resumable:
+
+    python -m benchmarks.testbed --preset cpu --prompts ../shared/data/HumanEval.jsonl.gz \
+        --out ~/.cache/vllm_moa/testbed-cpu --results benchmarks/results/testbed_cpu.json
+
+1. builds and trains a small Llama target (BPE tokenizer + LM on the stdlib sources of this
+   Python, plus --extra-text files); 2. trains MoA TLI=0, MoA TLI=1, MoA without LSA, EAGLE and
+   an independent drafter against it with equal trainable parameters and training tokens;
+3. evaluates each greedily with chains of K=4 and K=6 on held-out prompts, and plain decoding;
+4. writes the results JSON (config, git SHA, machine, figures) and a PNG bar chart.
+Every stage is skipped when its output exists; drafter training resumes from checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks.testbed.drafters import METHODS, build_drafters
+from benchmarks.testbed.evaluate import evaluate_all, read_prompts
+from benchmarks.testbed.presets import PRESETS, TestbedConfig
+from benchmarks.testbed.pretrain import pretrain_target
+from benchmarks.testbed.report import write_report
+
+
+def _target(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, float]:
+    from vllm_moa.tiny import TinyTargetSpec, build_tiny_target
+
+    target_dir, done = out / "target", out / "target" / "pretrain.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    spec = TinyTargetSpec(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_layers=cfg.num_layers,
+        num_heads=cfg.hidden_size // 64,
+        num_kv_heads=cfg.num_kv_heads,
+        intermediate_size=cfg.intermediate_size,
+        max_position_embeddings=1024,
+        seed=cfg.seed,
+    )
+    build_tiny_target(target_dir, spec, corpus=corpus)
+    stats = pretrain_target(
+        target_dir, corpus, cfg.target_steps, cfg.target_batch, cfg.seq_len, cfg.target_lr, cfg.seed
+    )
+    done.write_text(json.dumps(stats))
+    return stats
+
+
+def _drafters(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, dict[str, float]]:
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.model import count_parameters
+    from vllm_moa.target import load_target_info
+    from vllm_moa.training import TrainConfig, Trainer
+
+    target_dir = out / "target"
+    info = load_target_info(target_dir)
+    stats = {}
+    for name, drafter in build_drafters(info, cfg.seed).items():
+        run = out / "drafters" / name
+        done = run / "done.json"
+        if not done.is_file():
+            init = save_drafter(drafter, out / "init" / name)
+            t0 = time.perf_counter()
+            Trainer(
+                TrainConfig(
+                    target=str(target_dir),
+                    data=tuple(map(str, corpus)),
+                    out=str(run),
+                    max_steps=cfg.drafter_steps,
+                    drafter=str(init),
+                    seed=cfg.seed,
+                    lr=cfg.drafter_lr,
+                    batch_size=cfg.drafter_batch,
+                    max_length=cfg.seq_len,
+                    warmup_steps=max(1, cfg.drafter_steps // 20),
+                    save_every=max(1, cfg.drafter_steps // 5),
+                    log_every=max(1, cfg.drafter_steps // 50),
+                    eval_examples=16,
+                    resume=(run / "checkpoint.pt").is_file(),
+                )
+            ).train()
+            done.write_text(
+                json.dumps(
+                    {
+                        "parameters": count_parameters(drafter)["total"],
+                        "train_seconds": time.perf_counter() - t0,
+                    }
+                )
+            )
+        stats[name] = json.loads(done.read_text())
+    return stats
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.testbed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--prompts", required=True, help="held-out prompts, e.g. HumanEval.jsonl.gz")
+    p.add_argument("--out", required=True, help="work directory (cached stages)")
+    p.add_argument("--results", default=None, help="results JSON path (PNG beside it)")
+    p.add_argument("--extra-text", nargs="*", default=[], help="more training text files")
+    args = p.parse_args(argv)
+    cfg = PRESETS[args.preset]
+    out = Path(args.out).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    from vllm_moa.tiny import stdlib_sources
+
+    corpus = [*stdlib_sources(cfg.corpus_bytes), *map(Path, args.extra_text)]
+    t0 = time.perf_counter()
+    target_stats = _target(out, cfg, corpus)
+    drafter_stats = _drafters(out, cfg, corpus)
+    prompts = read_prompts(Path(args.prompts), cfg.eval_prompts)
+    drafter_dirs = {m: out / "drafters" / m / "drafter" for m in METHODS}
+    figures = evaluate_all(out / "target", drafter_dirs, prompts, cfg.eval_new_tokens, cfg.ks)
+    results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
+    write_report(
+        results,
+        args.preset,
+        cfg,
+        args.prompts,
+        target_stats,
+        drafter_stats,
+        figures,
+        time.perf_counter() - t0,
+    )
+    print(f"results: {results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,44 @@
+"""The testbed's five drafters, sized to the same trainable parameter count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from vllm_moa.model import MoADrafter, TargetInfo, count_parameters, make_config
+from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+from vllm_moa.model.presets import make_eagle_config, make_independent_config
+
+METHODS = ("moa_tli0", "moa_tli1", "moa_no_lsa", "eagle", "independent")
+
+
+def _matched(build: Callable[[int], nn.Module], budget: int) -> nn.Module:
+    """build(intermediate) whose parameter count is closest to budget (counts are linear)."""
+    a, b = count_parameters(build(64))["total"], count_parameters(build(128))["total"]
+    per_unit = (b - a) / 64
+    size = max(8, round((budget - a) / per_unit / 8) * 8 + 64)
+    return build(size)
+
+
+def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
+    moa0 = MoADrafter(make_config(info, "small", tli=0))
+    budget = count_parameters(moa0)["total"]
+    no_lsa = make_config(info, "small", memory_source="hidden")
+    eagle = make_eagle_config(info, "small")
+    indep = make_independent_config(info, "small", num_layers=2)
+    drafters: dict[str, nn.Module] = {
+        "moa_tli0": moa0,
+        "moa_tli1": MoADrafter(make_config(info, "small", tli=1)),
+        "moa_no_lsa": _matched(
+            lambda i: MoADrafter(no_lsa.replace(sa_intermediate_size=i, ca_intermediate_size=i)),
+            budget,
+        ),
+        "eagle": _matched(lambda i: EagleDrafter(eagle.replace(intermediate_size=i)), budget),
+        "independent": _matched(
+            lambda i: IndependentDrafter(indep.replace(intermediate_size=i)), budget
+        ),
+    }
+    for d in drafters.values():
+        d.init_weights(seed)  # type: ignore[operator]
+    return drafters

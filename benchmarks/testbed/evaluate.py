@@ -1,0 +1,92 @@
+"""Evaluate drafters with the standalone engine on held-out prompts (greedy, chains of K)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from vllm_moa.checkpoint import load_drafter
+from vllm_moa.decoding import SpeculativeEngine, make_proposer
+from vllm_moa.target import HFTarget
+
+
+def read_prompts(path: Path, limit: int) -> list[str]:
+    """`prompt` (HumanEval) or the first of `turns` (the paper's 6-task set) of each record."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    prompts = []
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            prompts.append(record["prompt"] if "prompt" in record else record["turns"][0])
+            if len(prompts) == limit:
+                break
+    return prompts
+
+
+def run_generations(
+    engine: SpeculativeEngine, prompts: list[list[int]], new_tokens: int, k: int, eos: list[int]
+) -> dict[str, Any]:
+    cycles = accepted = calls = tokens = 0
+    seconds = 0.0
+    hist = [0] * (k + 1)
+    drafted_at = [0] * k
+    accepted_at = [0] * k
+    outputs = []
+    for ids in prompts:
+        r = engine.generate(ids, new_tokens, num_speculative_tokens=k, eos_token_ids=eos)
+        s = r.stats
+        outputs.append(r.token_ids)
+        cycles += s.num_cycles
+        accepted += s.num_accepted_tokens
+        calls += s.num_target_calls
+        tokens += s.num_generated_tokens
+        seconds += s.wall_time_s
+        for a, n in enumerate(s.accepted_length_histogram):
+            hist[a] += n
+        for i in range(min(k, len(s.drafted_per_position))):
+            drafted_at[i] += s.drafted_per_position[i]
+            accepted_at[i] += s.accepted_per_position[i]
+    return {
+        "tau": 1 + accepted / max(1, cycles),
+        "accepted_length_histogram": hist,
+        "acceptance_rate_per_position": [
+            a / d if d else 0.0 for a, d in zip(accepted_at, drafted_at, strict=True)
+        ],
+        "target_calls_per_token": calls / max(1, tokens),
+        "tokens_per_second": tokens / seconds if seconds else 0.0,
+        "generated_tokens": tokens,
+        "outputs": outputs,
+    }
+
+
+def evaluate_all(
+    target_dir: Path,
+    drafter_dirs: dict[str, Path],
+    prompt_texts: list[str],
+    new_tokens: int,
+    ks: tuple[int, ...],
+) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = HFTarget.from_pretrained(target_dir)
+    budget = target.max_length - new_tokens - 1
+    prompts = [tokenizer(p)["input_ids"][-budget:] for p in prompt_texts]
+    eos = [tokenizer.eos_token_id]
+    plain = run_generations(SpeculativeEngine(target), prompts, new_tokens, 1, eos)
+    results: dict[str, Any] = {"plain": {k: v for k, v in plain.items() if k != "outputs"}}
+    for name, path in tqdm(drafter_dirs.items(), desc="evaluate"):
+        engine = SpeculativeEngine(target, make_proposer(load_drafter(path, target.shape), target))
+        results[name] = {}
+        for k in ks:
+            r = run_generations(engine, prompts, new_tokens, k, eos)
+            r["lossless"] = r.pop("outputs") == plain["outputs"]
+            r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
+            results[name][f"k{k}"] = r
+    return results

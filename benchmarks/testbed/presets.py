@@ -1,0 +1,88 @@
+"""Testbed sizes: `ci` proves the chain in minutes, `cpu` fits an hour on 2 cores, `gpu` more."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TestbedConfig:
+    # target
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_kv_heads: int
+    intermediate_size: int
+    target_steps: int
+    target_batch: int
+    target_lr: float
+    # drafters (same data, steps and batch for every method: equal training tokens)
+    drafter_steps: int
+    drafter_batch: int
+    drafter_lr: float
+    seq_len: int
+    # evaluation
+    eval_prompts: int
+    eval_new_tokens: int
+    corpus_bytes: int  # of stdlib sources (tokenizer and training text)
+    ks: tuple[int, ...] = (4, 6)
+    seed: int = 0
+
+    def replace(self, **kw: object) -> TestbedConfig:
+        return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
+
+
+PRESETS = {
+    "ci": TestbedConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_layers=3,
+        num_kv_heads=1,
+        intermediate_size=256,
+        target_steps=30,
+        target_batch=4,
+        target_lr=3e-3,
+        drafter_steps=8,
+        drafter_batch=4,
+        drafter_lr=1e-3,
+        seq_len=64,
+        eval_prompts=2,
+        eval_new_tokens=16,
+        corpus_bytes=300_000,
+    ),
+    "cpu": TestbedConfig(
+        vocab_size=2048,
+        hidden_size=256,
+        num_layers=4,
+        num_kv_heads=2,
+        intermediate_size=768,
+        target_steps=900,
+        target_batch=16,
+        target_lr=2e-3,
+        drafter_steps=450,
+        drafter_batch=8,
+        drafter_lr=1e-3,
+        seq_len=256,
+        eval_prompts=20,
+        eval_new_tokens=64,
+        corpus_bytes=4_000_000,
+    ),
+    "gpu": TestbedConfig(
+        vocab_size=4096,
+        hidden_size=512,
+        num_layers=8,
+        num_kv_heads=2,
+        intermediate_size=1536,
+        target_steps=3000,
+        target_batch=32,
+        target_lr=1e-3,
+        drafter_steps=2000,
+        drafter_batch=32,
+        drafter_lr=1e-3,
+        seq_len=512,
+        eval_prompts=164,
+        eval_new_tokens=128,
+        corpus_bytes=20_000_000,
+    ),
+}

@@ -1,0 +1,64 @@
+"""Results JSON (config, git SHA, machine, figures) and a PNG bar chart of tau."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def git_sha() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def write_report(path: Path, report: dict[str, Any], ks: tuple[int, ...]) -> None:
+    """Write the run's report JSON (adding machine facts) and the tau bar chart beside it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {"benchmark": "testbed", "machine": machine(), **report}
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    _plot(path.with_suffix(".png"), report["results"], ks)
+
+
+def _plot(path: Path, figures: dict[str, Any], ks: tuple[int, ...]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in figures if n != "plain"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(ks)
+    for j, k in enumerate(ks):
+        taus = [figures[n][f"k{k}"]["tau"] for n in names]
+        ax.bar([i + j * width for i in range(len(names))], taus, width, label=f"K={k}")
+    ax.set_xticks([i + width * (len(ks) - 1) / 2 for i in range(len(names))], names)
+    ax.set_ylabel("mean acceptance length tau")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

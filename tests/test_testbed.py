@@ -1,0 +1,48 @@
+"""The testbed's `ci` preset runs the whole chain: target, five drafters, evaluation, report."""
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "HumanEval.jsonl.gz"
+
+
+@pytest.mark.slow
+def test_testbed_ci_preset(tmp_path):
+    from benchmarks.testbed.__main__ import main
+
+    prompts = SHARED
+    if not prompts.is_file():  # outside this workspace: two prompts of the same format
+        prompts = tmp_path / "prompts.jsonl.gz"
+        with gzip.open(prompts, "wt") as f:
+            for p in ("def add(a, b):\n", "def is_even(n):\n"):
+                f.write(json.dumps({"prompt": p}) + "\n")
+    results = tmp_path / "results.json"
+    assert (
+        main(
+            [
+                "--preset",
+                "ci",
+                "--prompts",
+                str(prompts),
+                "--out",
+                str(tmp_path / "w"),
+                "--results",
+                str(results),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(results.read_text())
+    assert report["git_sha"] and report["machine"]["cpu_count"]
+    methods = {"moa_tli0", "moa_tli1", "moa_no_lsa", "eagle", "independent"}
+    assert set(report["results"]) == methods | {"plain"}
+    params = [report["drafter_training"][m]["parameters"] for m in methods]
+    assert max(params) / min(params) < 1.02  # equal trainable parameter counts
+    for m in methods:
+        for k in ("k4", "k6"):
+            r = report["results"][m][k]
+            assert r["lossless"] and 1.0 <= r["tau"] <= int(k[1:]) + 1
+    assert results.with_suffix(".png").is_file()
