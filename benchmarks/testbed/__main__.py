@@ -14,6 +14,7 @@ Every stage is skipped when its output exists; drafter training resumes from che
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from benchmarks.testbed.drafters import METHODS, build_drafters
 from benchmarks.testbed.evaluate import evaluate_all, read_prompts
 from benchmarks.testbed.presets import PRESETS, TestbedConfig
 from benchmarks.testbed.pretrain import pretrain_target
-from benchmarks.testbed.report import write_report
+from benchmarks.testbed.report import git_sha, write_report
 
 
 def _target(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, float]:
@@ -112,23 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_moa.tiny import stdlib_sources
 
     corpus = [*stdlib_sources(cfg.corpus_bytes), *map(Path, args.extra_text)]
-    t0 = time.perf_counter()
+    t0, sha = time.perf_counter(), git_sha()  # the code this run started with
     target_stats = _target(out, cfg, corpus)
     drafter_stats = _drafters(out, cfg, corpus)
     prompts = read_prompts(Path(args.prompts), cfg.eval_prompts)
     drafter_dirs = {m: out / "drafters" / m / "drafter" for m in METHODS}
     figures = evaluate_all(out / "target", drafter_dirs, prompts, cfg.eval_new_tokens, cfg.ks)
     results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
-    write_report(
-        results,
-        args.preset,
-        cfg,
-        args.prompts,
-        target_stats,
-        drafter_stats,
-        figures,
-        time.perf_counter() - t0,
-    )
+    report = {
+        "preset": args.preset,
+        "config": dataclasses.asdict(cfg),
+        "prompts": args.prompts,
+        "git_sha": sha,
+        "target_training": target_stats,
+        "drafter_training": drafter_stats,
+        "results": figures,
+        "total_seconds": time.perf_counter() - t0,
+    }
+    write_report(results, report, cfg.ks)
     print(f"results: {results}")
     return 0
 
