@@ -308,3 +308,47 @@ def test_train_config_errors(tmp_path, tiny_target_dir, capsys):
     assert "applies to MoA only" in capsys.readouterr().err
     assert main([*base, "--data", str(tmp_path / "d.txt"), "--resume"]) == 1
     assert "no " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method, extra", [("moa", ("--tli", "1")), ("eagle", ())])
+def test_offline_cache_trains_like_online(tmp_path, tiny_target_dir, method, extra):
+    """Features read back from the safetensors cache give the same losses as the live target."""
+    import sysconfig
+
+    from vllm_moa.cli.main import main
+
+    data = os.path.join(sysconfig.get_paths()["stdlib"], "glob.py")
+    common = [
+        "train",
+        "--target",
+        tiny_target_dir,
+        "--method",
+        method,
+        *extra,
+        "--data",
+        data,
+        "--max-steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--max-length",
+        "48",
+        "--log-every",
+        "1",
+        "--eval-examples",
+        "0",
+        "--device",
+        "cpu",
+    ]
+    assert main([*common, "--out", str(tmp_path / "online")]) == 0
+    cache = tmp_path / "cache"
+    assert main([*common, "--out", str(tmp_path / "offline"), "--offline-cache", str(cache)]) == 0
+    assert (cache / "meta.json").is_file() and list(cache.glob("shard-*.safetensors"))
+    online, offline = _losses(tmp_path / "online"), _losses(tmp_path / "offline")
+    assert online.keys() == offline.keys()
+    for step in online:  # fp32 both ways; only the LM head is recomputed from stored states
+        assert offline[step] == pytest.approx(online[step], rel=1e-5, abs=1e-6)
+    # A second run reuses the cache (same fingerprint) without rebuilding it.
+    stamp = (cache / "meta.json").stat().st_mtime_ns
+    assert main([*common, "--out", str(tmp_path / "again"), "--offline-cache", str(cache)]) == 0
+    assert (cache / "meta.json").stat().st_mtime_ns == stamp

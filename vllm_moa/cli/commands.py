@@ -196,6 +196,7 @@ def train(args: argparse.Namespace) -> int:
         eval_every=args.eval_every,
         eval_examples=args.eval_examples,
         resume=args.resume,
+        offline_cache=args.offline_cache,
         device=device,
     )
     out = Trainer(cfg).train()

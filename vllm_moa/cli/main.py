@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-steps", type=_positive_int, required=True)
     p.add_argument("--save-every", type=_non_negative_int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    p.add_argument(
+        "--offline-cache",
+        default=None,
+        help="directory for the target's features: computed once, then training reads them",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--batch-size", type=_positive_int, default=8)

@@ -43,6 +43,7 @@ class TrainConfig:
     eval_examples: int = 32  # held out from the end of the data
     eval_refresh: int = 6  # K of the acceptance proxy
     resume: bool = False
+    offline_cache: str | None = None  # directory of cached target features (built once)
     device: str = "cpu"
     autocast: str = "auto"  # auto: bf16 autocast on CUDA, none on CPU
 

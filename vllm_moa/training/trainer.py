@@ -19,12 +19,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vllm_moa.target.adapter import HFTarget
+from vllm_moa.target.adapter import HFTarget, TargetOutput
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_examples
 from vllm_moa.training.distributed import DistContext
 from vllm_moa.training.evaluation import evaluate
 from vllm_moa.training.factory import build_method, save_method_drafter
+from vllm_moa.training.feature_cache import FeatureCache
 from vllm_moa.training.losses import masked_kl, masked_smooth_l1
 from vllm_moa.training.methods import DraftMethod
 from vllm_moa.training.schedule import memory_limits, step_generator
@@ -45,12 +46,11 @@ def compute_loss(
     method: DraftMethod,
     target: HFTarget,
     batch: Batch,
+    target_out: TargetOutput,
     cfg: TrainConfig,
     gen: torch.Generator,
     staircase: bool,
 ) -> StepLoss:
-    with torch.no_grad():
-        target_out = target.forward_batch(batch.input_ids, method.hidden_layers)
     seq = batch.input_ids.shape[1]
     if method.k_bounded:
         limits = memory_limits(batch.prompt_len, seq, cfg, gen)
@@ -107,14 +107,39 @@ class Trainer:
             self.optimizer, lambda s: lr_factor(s, cfg)
         )
         self._epochs: dict[int, list[list[int]]] = {}
+        self.cache: FeatureCache | None = None
+        if cfg.offline_cache:
+            if self.dist.is_main:  # one rank computes the features; the others then read them
+                self._open_cache()
+            self.dist.barrier()
+            self._open_cache()
+
+    def _open_cache(self) -> None:
+        assert self.cfg.offline_cache is not None
+        self.cache = FeatureCache.open_or_build(
+            Path(self.cfg.offline_cache),
+            self.target,
+            self.cfg.target,
+            self.train_examples,
+            self.method.hidden_layers,
+            batch_size=self.cfg.batch_size,
+        )
+
+    def _target_output(self, batch: Batch, ids: list[int]) -> TargetOutput:
+        """The frozen target's outputs on a batch: from the offline cache, or computed now."""
+        if self.cache is not None:
+            return self.cache.target_output(ids, self.target)
+        with torch.no_grad():
+            return self.target.forward_batch(batch.input_ids, self.method.hidden_layers)
 
     # ---- data ----
-    def _batch(self, index: int) -> Batch:
-        """The index-th micro-batch of the whole run (epochs reshuffled deterministically)."""
+    def _batch(self, index: int) -> tuple[Batch, list[int]]:
+        """The index-th micro-batch of the whole run (epochs reshuffled deterministically) and
+        the indices of its examples."""
         per_epoch = len(self._epoch(0))
         epoch, i = divmod(index, per_epoch)
         ids = self._epoch(epoch)[i]
-        return collate([self.train_examples[j] for j in ids], self.pad_id)
+        return collate([self.train_examples[j] for j in ids], self.pad_id), ids
 
     def _epoch(self, epoch: int) -> list[list[int]]:
         if epoch not in self._epochs:
@@ -209,10 +234,10 @@ class Trainer:
         for micro in range(cfg.grad_accum):
             index = ((step - 1) * cfg.grad_accum + micro) * self.dist.world + self.dist.rank
             gen = step_generator(cfg.seed, step, micro * self.dist.world + self.dist.rank)
+            batch, ids = self._batch(index)
             with autocast:
-                out = compute_loss(
-                    self.method, self.target, self._batch(index), cfg, gen, staircase
-                )
+                target_out = self._target_output(batch, ids)
+                out = compute_loss(self.method, self.target, batch, target_out, cfg, gen, staircase)
             (out.loss / cfg.grad_accum).backward()
             totals["loss"] += out.loss.item() / cfg.grad_accum  # device sync, once per micro-batch
             totals["kl"] += out.kl / cfg.grad_accum
