@@ -352,3 +352,73 @@ def test_offline_cache_trains_like_online(tmp_path, tiny_target_dir, method, ext
     stamp = (cache / "meta.json").stat().st_mtime_ns
     assert main([*common, "--out", str(tmp_path / "again"), "--offline-cache", str(cache)]) == 0
     assert (cache / "meta.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_two_process_gloo_data_parallel_matches_grad_accumulation(tmp_path, tiny_target_dir):
+    """torchrun with 2 CPU processes (gloo) = 1 process accumulating the same 2 micro-batches."""
+    import sysconfig
+
+    data = os.path.join(sysconfig.get_paths()["stdlib"], "glob.py")
+    args = [
+        "train",
+        "--target",
+        tiny_target_dir,
+        "--data",
+        data,
+        "--tli",
+        "1",
+        "--max-steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--max-length",
+        "48",
+        "--log-every",
+        "1",
+        "--eval-examples",
+        "0",
+        "--device",
+        "cpu",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # a free local port for the rendezvous
+            "--nproc-per-node",
+            "2",
+            "-m",
+            "vllm_moa.cli.main",
+            *args,
+            "--out",
+            str(tmp_path / "ddp"),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_moa.cli.main",
+            *args,
+            "--grad-accum",
+            "2",
+            "--out",
+            str(tmp_path / "single"),
+        ],
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=600,
+    )
+    ddp, single = _losses(tmp_path / "ddp"), _losses(tmp_path / "single")
+    assert ddp.keys() == single.keys() == {1, 2, 3}
+    for step in ddp:
+        assert ddp[step] == pytest.approx(single[step], rel=1e-4)
+    assert (tmp_path / "ddp" / "drafter" / "model.safetensors").is_file()
