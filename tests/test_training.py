@@ -422,3 +422,37 @@ def test_two_process_gloo_data_parallel_matches_grad_accumulation(tmp_path, tiny
     for step in ddp:
         assert ddp[step] == pytest.approx(single[step], rel=1e-4)
     assert (tmp_path / "ddp" / "drafter" / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
+def test_ray_fan_out_builds_the_same_cache(tmp_path, tiny_target_dir):
+    """Two Ray tasks computing disjoint slices give the same features as one local pass."""
+    pytest.importorskip("ray")
+    import ray
+    from transformers import AutoTokenizer
+
+    from vllm_moa.target import HFTarget
+    from vllm_moa.training.feature_cache import FeatureCache
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
+    import sysconfig
+
+    path = os.path.join(sysconfig.get_paths()["stdlib"], "glob.py")
+    examples = load_examples([path], tokenizer, 48)[:10]
+    target = HFTarget.from_pretrained(tiny_target_dir)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        fanned = FeatureCache.open_or_build(
+            tmp_path / "ray", target, tiny_target_dir, examples, (1,), batch_size=3, workers=2
+        )
+    finally:
+        ray.shutdown()
+    local = FeatureCache.open_or_build(
+        tmp_path / "local", target, tiny_target_dir, examples, (1,), batch_size=3
+    )
+    assert len(set(fanned.shard_of)) >= 2
+    ids = list(range(10))
+    a, b = fanned.target_output(ids, target), local.target_output(ids, target)
+    torch.testing.assert_close(a.layer_kv, b.layer_kv)
+    torch.testing.assert_close(a.hidden_states[1], b.hidden_states[1])
+    torch.testing.assert_close(a.logits, b.logits)

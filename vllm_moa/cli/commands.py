@@ -197,6 +197,7 @@ def train(args: argparse.Namespace) -> int:
         eval_examples=args.eval_examples,
         resume=args.resume,
         offline_cache=args.offline_cache,
+        cache_workers=args.cache_workers,
         device=device,
     )
     out = Trainer(cfg).train()

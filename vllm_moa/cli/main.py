@@ -94,6 +94,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="directory for the target's features: computed once, then training reads them",
     )
+    p.add_argument(
+        "--cache-workers",
+        type=_positive_int,
+        default=1,
+        help="build the offline cache with N Ray tasks (one GPU each); needs `pip install ray`",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--batch-size", type=_positive_int, default=8)

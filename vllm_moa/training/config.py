@@ -44,6 +44,7 @@ class TrainConfig:
     eval_refresh: int = 6  # K of the acceptance proxy
     resume: bool = False
     offline_cache: str | None = None  # directory of cached target features (built once)
+    cache_workers: int = 1  # > 1: build the cache with that many Ray tasks (one GPU each)
     device: str = "cpu"
     autocast: str = "auto"  # auto: bf16 autocast on CUDA, none on CPU
 

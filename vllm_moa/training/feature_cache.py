@@ -50,11 +50,13 @@ class FeatureCache:
         examples: Sequence[Example],
         hidden_layers: Sequence[int],
         batch_size: int = 8,
-        shard_tokens: int = 1 << 16,
+        workers: int = 1,
     ) -> FeatureCache:
-        """Reuse the cache at root if it was built from the same examples, target and layers."""
-        num_layers = target.shape.num_layers
-        layers = sorted({*hidden_layers, num_layers})  # the final state gives the logits
+        """Reuse the cache at root if it was built from the same examples, target and layers.
+
+        workers > 1 fans the computation out over Ray tasks (one GPU each when CUDA is there),
+        each writing its own shards for a contiguous slice of the examples."""
+        layers = sorted({*hidden_layers, target.shape.num_layers})  # final state -> logits
         key = fingerprint(examples, target_dir, layers)
         meta_path = root / META
         if meta_path.is_file():
@@ -62,29 +64,10 @@ class FeatureCache:
             if meta.get("fingerprint") == key:
                 return cls(root, meta)
         root.mkdir(parents=True, exist_ok=True)
-        shard_of: list[str] = []
-        pending: dict[str, torch.Tensor] = {}
-        tokens, shard = 0, 0
-
-        def flush() -> None:
-            nonlocal pending, tokens, shard
-            if pending:
-                save_file(pending, str(root / f"shard-{shard:05d}.safetensors"))
-                pending, tokens, shard = {}, 0, shard + 1
-
-        for start in tqdm(range(0, len(examples), batch_size), desc="cache features"):
-            chunk = examples[start : start + batch_size]
-            out = target.forward_batch(collate(chunk).input_ids, layers)
-            for j, e in enumerate(chunk):
-                n, i = len(e.input_ids), start + j
-                pending[f"ex{i}.layer_kv"] = out.layer_kv[j, :n].contiguous().cpu()
-                for layer in layers:
-                    pending[f"ex{i}.h{layer}"] = out.hidden_states[layer][j, :n].contiguous().cpu()
-                shard_of.append(f"shard-{shard:05d}.safetensors")
-                tokens += n
-            if tokens >= shard_tokens:
-                flush()
-        flush()
+        if workers > 1:
+            shard_of = _build_with_ray(root, target_dir, examples, layers, batch_size, workers)
+        else:
+            shard_of = write_shards(root, target, examples, 0, layers, batch_size)
         meta = {"fingerprint": key, "hidden_layers": layers, "shard_of": shard_of}
         meta_path.write_text(json.dumps(meta))  # written last: a partial cache is rebuilt
         return cls(root, meta)
@@ -114,3 +97,72 @@ class FeatureCache:
         with torch.no_grad():
             logits = target.lm_head(final).float()
         return TargetOutput(logits=logits, layer_kv=stack(rows), hidden_states=hidden)
+
+
+def write_shards(
+    root: Path,
+    target: HFTarget,
+    examples: Sequence[Example],
+    first_index: int,
+    layers: Sequence[int],
+    batch_size: int,
+    shard_tokens: int = 1 << 16,
+) -> list[str]:
+    """Compute and store examples [first_index, first_index + len); returns each one's shard."""
+    shard_of: list[str] = []
+    pending: dict[str, torch.Tensor] = {}
+    tokens, shard = 0, 0
+    prefix = f"shard-{first_index:08d}"
+
+    def flush() -> None:
+        nonlocal pending, tokens, shard
+        if pending:
+            save_file(pending, str(root / f"{prefix}-{shard:05d}.safetensors"))
+            pending, tokens, shard = {}, 0, shard + 1
+
+    for start in tqdm(range(0, len(examples), batch_size), desc="cache features"):
+        chunk = examples[start : start + batch_size]
+        out = target.forward_batch(collate(chunk).input_ids, layers)
+        for j, e in enumerate(chunk):
+            n, i = len(e.input_ids), first_index + start + j
+            pending[f"ex{i}.layer_kv"] = out.layer_kv[j, :n].contiguous().cpu()
+            for layer in layers:
+                pending[f"ex{i}.h{layer}"] = out.hidden_states[layer][j, :n].contiguous().cpu()
+            shard_of.append(f"{prefix}-{shard:05d}.safetensors")
+            tokens += n
+        if tokens >= shard_tokens:
+            flush()
+    flush()
+    return shard_of
+
+
+def _ray_job(
+    root: str, target_dir: str, examples: list[Example], first: int, layers: list[int], bs: int
+) -> list[str]:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = HFTarget.from_pretrained(target_dir, device=device)
+    return write_shards(Path(root), target, examples, first, layers, bs)
+
+
+def _build_with_ray(
+    root: Path,
+    target_dir: str,
+    examples: Sequence[Example],
+    layers: Sequence[int],
+    batch_size: int,
+    workers: int,
+) -> list[str]:
+    try:
+        import ray
+    except ImportError:
+        raise ValueError("cache workers > 1 needs Ray: pip install ray") from None
+    if not ray.is_initialized():
+        ray.init(ignore_reinit_error=True, include_dashboard=False, log_to_driver=False)
+    gpus = 1 if torch.cuda.is_available() else 0
+    job = ray.remote(num_gpus=gpus, num_cpus=1)(_ray_job)
+    size = -(-len(examples) // workers)
+    refs = [
+        job.remote(str(root), target_dir, list(examples[s : s + size]), s, list(layers), batch_size)
+        for s in range(0, len(examples), size)
+    ]
+    return [shard for part in ray.get(refs) for shard in part]

@@ -123,6 +123,7 @@ class Trainer:
             self.train_examples,
             self.method.hidden_layers,
             batch_size=self.cfg.batch_size,
+            workers=self.cfg.cache_workers,
         )
 
     def _target_output(self, batch: Batch, ids: list[int]) -> TargetOutput:
