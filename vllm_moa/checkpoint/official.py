@@ -133,11 +133,7 @@ def convert_official(
     ca = _block_dims(state, "cross_attention", head_dim)
     tli = opts.tli if opts.tli is not None else int(cfg.get("tli", 0))
     config = MoAConfig(
-        target_num_layers=target.num_layers,
-        target_hidden_size=target.hidden_size,
-        target_num_kv_heads=target.num_kv_heads,
-        target_head_dim=target.head_dim,
-        vocab_size=target.vocab_size,
+        **MoAConfig.target_fields(target),
         lsa_num_heads=lsa[0],
         lsa_num_kv_heads=lsa[1],
         lsa_intermediate_size=lsa[2],

@@ -25,11 +25,6 @@ class EagleConfig(DrafterConfig):
     MODEL_TYPE: ClassVar[str] = "eagle_drafter"
     ARCHITECTURE: ClassVar[str] = "EagleDrafter"
 
-    target_num_layers: int
-    target_hidden_size: int
-    target_num_kv_heads: int
-    target_head_dim: int
-    vocab_size: int
     num_heads: int
     num_kv_heads: int
     intermediate_size: int
@@ -46,11 +41,6 @@ class IndependentConfig(DrafterConfig):
     MODEL_TYPE: ClassVar[str] = "independent_drafter"
     ARCHITECTURE: ClassVar[str] = "IndependentDrafter"
 
-    target_num_layers: int
-    target_hidden_size: int
-    target_num_kv_heads: int
-    target_head_dim: int
-    vocab_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int

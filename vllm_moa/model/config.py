@@ -43,11 +43,13 @@ class TargetShape:
         return self.num_kv_heads * self.head_dim
 
 
+@dataclass(frozen=True)
 class DrafterConfig:
-    """JSON round trip, validation helpers and target checks shared by every drafter config.
+    """The target shape a drafter is built for, plus the JSON round trip, validation helpers and
+    target checks every drafter config shares.
 
-    Subclasses are frozen dataclasses with the target fields below plus their own, and set
-    MODEL_TYPE / ARCHITECTURE (the config.json `model_type` and `architectures[0]`).
+    Subclasses are frozen dataclasses adding their own fields, and set MODEL_TYPE / ARCHITECTURE
+    (the config.json `model_type` and `architectures[0]`).
     """
 
     MODEL_TYPE: ClassVar[str]
@@ -58,9 +60,20 @@ class DrafterConfig:
     target_head_dim: int
     vocab_size: int
 
+    @staticmethod
+    def target_fields(shape: TargetShape) -> dict[str, Any]:
+        """The target-shape constructor arguments of any drafter config."""
+        return {
+            "target_num_layers": shape.num_layers,
+            "target_hidden_size": shape.hidden_size,
+            "target_num_kv_heads": shape.num_kv_heads,
+            "target_head_dim": shape.head_dim,
+            "vocab_size": shape.vocab_size,
+        }
+
     def _check_numbers(self, allow_zero: tuple[str, ...] = ()) -> None:
         name = type(self).__name__
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+        for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"{name}.{f.name} must be an int, got {value!r}")
@@ -116,12 +129,12 @@ class DrafterConfig:
                 )
 
     def replace(self, **changes: Any) -> Self:
-        return dataclasses.replace(self, **changes)  # type: ignore[type-var]
+        return dataclasses.replace(self, **changes)
 
     # ---- JSON round trip (Hugging Face style config.json) ----
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"architectures": [self.ARCHITECTURE], "model_type": self.MODEL_TYPE}
-        out.update(dataclasses.asdict(self))  # type: ignore[call-overload]
+        out.update(dataclasses.asdict(self))
         return out
 
     @classmethod
@@ -132,7 +145,7 @@ class DrafterConfig:
                 f"config model_type is {model_type!r}, expected {cls.MODEL_TYPE!r}: this is not a "
                 "vllm-moa drafter config (for the authors' release use `vllm-moa convert-official`)"
             )
-        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        fields = dataclasses.fields(cls)
         names = {f.name for f in fields}
         unknown = sorted(set(data) - names - _HF_METADATA_KEYS)
         if unknown:
@@ -180,12 +193,6 @@ class MoAConfig(DrafterConfig):
     MODEL_TYPE: ClassVar[str] = MOA_MODEL_TYPE
     ARCHITECTURE: ClassVar[str] = MOA_ARCHITECTURE
 
-    # The target this drafter was built for.
-    target_num_layers: int
-    target_hidden_size: int
-    target_num_kv_heads: int
-    target_head_dim: int
-    vocab_size: int
     # Layer Self-Attention (over the L axis, width 2 * E_kv).
     lsa_num_heads: int
     lsa_num_kv_heads: int

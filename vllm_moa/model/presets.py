@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vllm_moa.model.baselines import EagleConfig, IndependentConfig
-from vllm_moa.model.config import MoAConfig, TargetShape
+from vllm_moa.model.config import DrafterConfig, MoAConfig, TargetShape
 
 PRESETS = ("paper", "small")
 
@@ -66,11 +66,7 @@ def make_config(
         lsa_kv, tok_kv = lsa_heads // 8, s.num_kv_heads // 4
         lsa_mlp, tok_mlp = width * 3 // 4, s.hidden_size * 3 // 4
     return MoAConfig(
-        target_num_layers=s.num_layers,
-        target_hidden_size=s.hidden_size,
-        target_num_kv_heads=s.num_kv_heads,
-        target_head_dim=s.head_dim,
-        vocab_size=s.vocab_size,
+        **DrafterConfig.target_fields(s),
         lsa_num_heads=lsa_heads,
         lsa_num_kv_heads=_kv_heads(lsa_heads, lsa_kv),
         lsa_intermediate_size=max(8, lsa_mlp),
@@ -96,11 +92,7 @@ def make_eagle_config(target: TargetInfo, preset: str = "paper") -> EagleConfig:
     heads = _token_heads(target)
     small = preset == "small"
     return EagleConfig(
-        target_num_layers=s.num_layers,
-        target_hidden_size=s.hidden_size,
-        target_num_kv_heads=s.num_kv_heads,
-        target_head_dim=s.head_dim,
-        vocab_size=s.vocab_size,
+        **DrafterConfig.target_fields(s),
         num_heads=heads,
         num_kv_heads=_kv_heads(heads, s.num_kv_heads // (4 if small else 1)),
         intermediate_size=max(8, s.hidden_size * (3 if small else 7) // 2),
@@ -119,11 +111,7 @@ def make_independent_config(
     heads = _token_heads(target)
     small = preset == "small"
     return IndependentConfig(
-        target_num_layers=s.num_layers,
-        target_hidden_size=s.hidden_size,
-        target_num_kv_heads=s.num_kv_heads,
-        target_head_dim=s.head_dim,
-        vocab_size=s.vocab_size,
+        **DrafterConfig.target_fields(s),
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=_kv_heads(heads, s.num_kv_heads // (4 if small else 2)),
