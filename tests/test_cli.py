@@ -192,3 +192,24 @@ def test_console_script_end_to_end(tiny_target_dir, drafter_dir, tmp_path):
     bad = subprocess.run(bad_cmd, capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "Traceback" not in bad.stderr
     assert bad.stderr.strip().count("\n") == 0
+
+
+@pytest.mark.slow
+def test_demo_end_to_end(tmp_path, capsys):
+    from vllm_moa.demo import DemoRecipe, run_demo
+
+    recipe = DemoRecipe(
+        target_steps=4,
+        drafter_steps=3,
+        batch_size=4,
+        seq_len=32,
+        corpus_bytes=200_000,
+        version="demo-test",
+    )
+    assert run_demo(str(tmp_path), "def f(x):", 12, 3, recipe) == 0
+    out = capsys.readouterr().out
+    assert "identical to plain greedy decoding: True" in out and "tau=" in out
+    assert (tmp_path / "demo-test" / ".complete").is_file()
+    # Cached: a second run builds nothing.
+    assert run_demo(str(tmp_path), "import os", 5, 2, recipe) == 0
+    assert "building" not in capsys.readouterr().out

@@ -22,8 +22,8 @@ from pathlib import Path
 from benchmarks.testbed.drafters import METHODS, build_drafters
 from benchmarks.testbed.evaluate import evaluate_all, read_prompts
 from benchmarks.testbed.presets import PRESETS, TestbedConfig
-from benchmarks.testbed.pretrain import pretrain_target
 from benchmarks.testbed.report import git_sha, write_report
+from vllm_moa.training.pretrain import pretrain_target
 
 
 def _target(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Train the testbed's target: a small Llama language model on local text (next-token loss)."""
+"""Pretrain a small target language model on local text (the testbed and demo targets)."""
 
 from __future__ import annotations
 
