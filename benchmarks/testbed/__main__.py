@@ -50,7 +50,9 @@ def _target(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, floa
     return stats
 
 
-def _drafters(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, dict[str, float]]:
+def _drafters(
+    out: Path, cfg: TestbedConfig, corpus: list[Path], methods: list[str]
+) -> dict[str, dict[str, float]]:
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.model import count_parameters
     from vllm_moa.target import load_target_info
@@ -60,6 +62,8 @@ def _drafters(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, di
     info = load_target_info(target_dir)
     stats = {}
     for name, drafter in build_drafters(info, cfg.seed).items():
+        if name not in methods:
+            continue
         run = out / "drafters" / name
         done = run / "done.json"
         if not done.is_file():
@@ -106,8 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="work directory (cached stages)")
     p.add_argument("--results", default=None, help="results JSON path (PNG beside it)")
     p.add_argument("--extra-text", nargs="*", default=[], help="more training text files")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
     args = p.parse_args(argv)
     cfg = PRESETS[args.preset]
+    if args.drafter_steps:
+        cfg = cfg.replace(drafter_steps=args.drafter_steps)
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     from vllm_moa.tiny import stdlib_sources
@@ -115,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     corpus = [*stdlib_sources(cfg.corpus_bytes), *map(Path, args.extra_text)]
     t0, sha = time.perf_counter(), git_sha()  # the code this run started with
     target_stats = _target(out, cfg, corpus)
-    drafter_stats = _drafters(out, cfg, corpus)
+    drafter_stats = _drafters(out, cfg, corpus, args.methods)
     prompts = read_prompts(Path(args.prompts), cfg.eval_prompts)
-    drafter_dirs = {m: out / "drafters" / m / "drafter" for m in METHODS}
+    drafter_dirs = {m: out / "drafters" / m / "drafter" for m in args.methods}
     figures = evaluate_all(out / "target", drafter_dirs, prompts, cfg.eval_new_tokens, cfg.ks)
     results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
     report = {
