@@ -27,7 +27,12 @@ META = "meta.json"
 
 def fingerprint(examples: Sequence[Example], target_dir: str, hidden_layers: Sequence[int]) -> str:
     h = hashlib.sha256()
-    h.update(json.dumps([str(Path(target_dir).resolve()), sorted(hidden_layers)]).encode())
+    root = Path(target_dir).resolve()
+    # The weights' sizes and times too: a target retrained in place invalidates the cache.
+    weights = sorted(
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in root.glob("*.safetensors")
+    )
+    h.update(json.dumps([str(root), weights, sorted(hidden_layers)]).encode())
     for e in examples:
         h.update(json.dumps(e.input_ids).encode())
     return h.hexdigest()[:16]
