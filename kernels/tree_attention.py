@@ -1,0 +1,235 @@
+"""Tree-masked verification attention over a paged KV prefix.
+
+Per request b: the queries are the draft tree's nodes q[b, :num_nodes[b]]; the keys are the
+request's verified prefix (prefix_lens[b] tokens in a paged cache, pages listed in
+block_table[b]) followed by the tree nodes themselves, of which node i sees node j only when
+tree_mask[b, i, j] (j is i or an ancestor of i). GQA; fp32 online softmax (flash-attention
+style); variable prefix and tree sizes across the batch.
+
+Shapes: q [B, M, H, D]; k_tree, v_tree [B, M, Hkv, D]; tree_mask [B, M, M] bool;
+num_nodes [B]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
+prefix_lens [B]. Output [B, M, H, D] (rows >= num_nodes[b] are zeros).
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the reference below still works
+    triton = None
+
+
+def tree_attention_ref(
+    q: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor,
+    num_nodes: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Plain PyTorch, one request at a time: gather the prefix pages, then masked softmax."""
+    out = torch.zeros_like(q)
+    block_size = k_cache.shape[1]
+    groups = q.shape[2] // k_cache.shape[2]
+    for b in range(q.shape[0]):
+        n, p = int(num_nodes[b]), int(prefix_lens[b])
+        slots = torch.arange(p, device=q.device)
+        pages = block_table[b, slots // block_size].long()
+        k = torch.cat([k_cache[pages, slots % block_size], k_tree[b, :n]])  # [P+n, Hkv, D]
+        v = torch.cat([v_cache[pages, slots % block_size], v_tree[b, :n]])
+        allowed = torch.cat(
+            [torch.ones(n, p, dtype=torch.bool, device=q.device), tree_mask[b, :n, :n]], dim=1
+        )  # [n, P+n]
+        k = k.repeat_interleave(groups, dim=1).float().transpose(0, 1)  # [H, P+n, D]
+        v = v.repeat_interleave(groups, dim=1).float().transpose(0, 1)
+        scores = q[b, :n].float().transpose(0, 1) @ k.transpose(1, 2) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[b, :n] = (scores.softmax(-1) @ v).transpose(0, 1).to(q.dtype)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tree_attention_kernel(
+        q_ptr,
+        kt_ptr,
+        vt_ptr,
+        mask_ptr,
+        nodes_ptr,  # q [B,M,H,D]; k/v tree [B,M,Hkv,D]; [B,M,M]; [B]
+        kc_ptr,
+        vc_ptr,
+        table_ptr,
+        plen_ptr,  # caches [NB,BS,Hkv,D]; table [B,MB]; [B]
+        o_ptr,  # [B, M, H, D]
+        s_qb,
+        s_qm,
+        s_qh,
+        s_tb,
+        s_tm,
+        s_th,
+        s_mb,
+        s_mi,
+        s_cb,
+        s_cs,
+        s_ch,
+        s_bt,
+        s_ob,
+        s_om,
+        s_oh,
+        head_dim,
+        groups,
+        block_size,
+        scale,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        kv_h = h // groups
+        rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_D)
+        num_nodes = tl.load(nodes_ptr + b)
+        prefix = tl.load(plen_ptr + b)
+        row_ok = rows < num_nodes
+        col_ok = cols < head_dim
+        q = tl.load(
+            q_ptr + b * s_qb + rows[:, None] * s_qm + h * s_qh + cols[None, :],
+            mask=row_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # 1) the verified prefix: every node sees all of it
+        for start in range(0, prefix, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            j_ok = j < prefix
+            page = tl.load(table_ptr + b * s_bt + j // block_size, mask=j_ok, other=0)
+            slot = page * s_cb + (j % block_size) * s_cs + kv_h * s_ch
+            kv_ok = j_ok[:, None] & col_ok[None, :]
+            k = tl.load(kc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(vc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale
+            s = tl.where(j_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            m_i = m_new
+        # 2) the tree nodes, under the ancestor mask
+        for start in range(0, num_nodes, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            j_ok = j < num_nodes
+            kv_ok = j_ok[:, None] & col_ok[None, :]
+            node = b * s_tb + j * s_tm + kv_h * s_th
+            k = tl.load(kt_ptr + node[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(vt_ptr + node[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+            allowed = tl.load(
+                mask_ptr + b * s_mb + rows[:, None] * s_mi + j[None, :],
+                mask=row_ok[:, None] & j_ok[None, :],
+                other=0,
+            )
+            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale
+            s = tl.where(allowed != 0, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # rows with nothing visible yet keep m = -inf: guard the exp of (-inf) - (-inf)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(
+            o_ptr + b * s_ob + rows[:, None] * s_om + h * s_oh + cols[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=row_ok[:, None] & col_ok[None, :],
+        )
+
+
+def tree_attention(
+    q: torch.Tensor,
+    k_tree: torch.Tensor,
+    v_tree: torch.Tensor,
+    tree_mask: torch.Tensor,
+    num_nodes: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+) -> torch.Tensor:
+    """Validated launch of the Triton kernel; shapes as in the module docstring."""
+    if triton is None:
+        raise RuntimeError(
+            "tree_attention needs Triton (pip install triton); use tree_attention_ref"
+        )
+    bsz, m, h, d = q.shape
+    if k_tree.shape != v_tree.shape or k_tree.shape[:2] != (bsz, m) or k_tree.shape[3] != d:
+        raise ValueError(f"k_tree/v_tree {tuple(k_tree.shape)} do not match q {tuple(q.shape)}")
+    if tree_mask.shape != (bsz, m, m) or tree_mask.dtype != torch.bool:
+        raise ValueError(
+            f"tree_mask must be bool [{bsz}, {m}, {m}], "
+            f"got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+        )
+    if k_cache.shape != v_cache.shape or k_cache.shape[2:] != k_tree.shape[2:]:
+        raise ValueError(
+            f"k_cache/v_cache {tuple(k_cache.shape)} must be "
+            f"[blocks, block_size, {k_tree.shape[2]}, {d}]"
+        )
+    if h % k_tree.shape[2]:
+        raise ValueError(f"query heads {h} must be a multiple of KV heads {k_tree.shape[2]}")
+    if num_nodes.shape != (bsz,) or prefix_lens.shape != (bsz,) or block_table.shape[0] != bsz:
+        raise ValueError("num_nodes, prefix_lens and block_table need one row per request")
+    q, k_tree, v_tree, k_cache, v_cache = (
+        t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_tree, v_tree, k_cache, v_cache)
+    )
+    mask = tree_mask.to(torch.int8).contiguous()
+    table = block_table.to(torch.int32).contiguous()
+    out = torch.zeros_like(q)
+    if bsz == 0 or m == 0:
+        return out
+    block_m = 16
+    _tree_attention_kernel[(bsz, h, triton.cdiv(m, block_m))](
+        q,
+        k_tree,
+        v_tree,
+        mask,
+        num_nodes.to(torch.int32).contiguous(),
+        k_cache,
+        v_cache,
+        table,
+        prefix_lens.to(torch.int32).contiguous(),
+        out,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k_tree.stride(0),
+        k_tree.stride(1),
+        k_tree.stride(2),
+        mask.stride(0),
+        mask.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        d,
+        h // k_tree.shape[2],
+        k_cache.shape[1],
+        d**-0.5,
+        BLOCK_M=block_m,
+        BLOCK_N=16,
+        BLOCK_D=max(16, triton.next_power_of_2(d)),
+    )
+    return out

@@ -1,0 +1,117 @@
+"""Triton kernels vs their PyTorch references (TRITON_INTERPRET=1 on CPU, set in conftest).
+
+Tolerances: both sides compute in fp32 and differ only in summation order (online softmax,
+blocked dot products), about 1e-6 relative for these sizes; 1e-5 leaves margin without hiding a
+wrong mask (which moves outputs by O(1))."""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref
+from vllm_moa.kernels.tree_attention import tree_attention, tree_attention_ref
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "n, h, hkv, layers, d",
+    [(1, 1, 1, 1, 8), (3, 4, 2, 5, 64), (1, 6, 3, 7, 24), (2, 8, 2, 32, 128), (17, 4, 1, 32, 64)],
+)
+def test_layer_attention_matches_reference(n, h, hkv, layers, d):
+    g = torch.Generator().manual_seed(n * 1000 + layers)
+    q = torch.randn(n, h, layers, d, generator=g)
+    k = torch.randn(n, hkv, layers, d, generator=g)
+    v = torch.randn(n, hkv, layers, d, generator=g)
+    torch.testing.assert_close(layer_attention(q, k, v), layer_attention_ref(q, k, v), **TOL)
+
+
+def test_layer_attention_equals_the_lsa_block_attention():
+    """The kernel computes what the drafter's LSA attention computes (full mask, GQA)."""
+    from vllm_moa.model.layers import masked_attention
+
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(4, 8, 6, 32, generator=g), *torch.randn(2, 4, 2, 6, 32, generator=g)
+    torch.testing.assert_close(layer_attention(q, k, v), masked_attention(q, k, v, None), **TOL)
+
+
+def test_layer_attention_rejects_bad_shapes():
+    q = torch.randn(2, 3, 4, 8)
+    with pytest.raises(ValueError, match="multiple of KV heads 2"):
+        layer_attention(q, torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8))
+    with pytest.raises(ValueError, match="do not match q"):
+        layer_attention(q, torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8))
+
+
+def _random_tree_mask(g, batch, m):
+    """Ancestor-or-self masks of random trees (each node's parent precedes it)."""
+    mask = torch.zeros(batch, m, m, dtype=torch.bool)
+    for b in range(batch):
+        parent = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, m)]
+        for i in range(m):
+            j = i
+            while j >= 0:
+                mask[b, i, j] = True
+                j = parent[j]
+    return mask
+
+
+@pytest.mark.parametrize(
+    "batch, m, h, hkv, d, block_size, max_pages",
+    [
+        (1, 1, 1, 1, 16, 16, 1),  # size 1
+        (2, 5, 4, 2, 64, 16, 3),  # GQA 2, prefix across page boundaries
+        (3, 20, 8, 2, 32, 8, 6),  # non-power-of-two tree, small pages
+        (2, 33, 4, 1, 64, 16, 4),  # tree larger than one 16-row tile, GQA 4
+        (4, 62, 8, 2, 64, 16, 8),  # the paper's m=62 nodes
+    ],
+)
+def test_tree_attention_matches_reference(batch, m, h, hkv, d, block_size, max_pages):
+    g = torch.Generator().manual_seed(m * 100 + batch)
+    num_blocks = batch * max_pages + 3
+    q = torch.randn(batch, m, h, d, generator=g)
+    k_tree, v_tree = torch.randn(2, batch, m, hkv, d, generator=g)
+    mask = _random_tree_mask(g, batch, m)
+    num_nodes = torch.randint(1, m + 1, (batch,), generator=g)
+    num_nodes[0] = m
+    k_cache, v_cache = torch.randn(2, num_blocks, block_size, hkv, d, generator=g)
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:max_pages] for _ in range(batch)])
+    prefix = torch.randint(0, max_pages * block_size + 1, (batch,), generator=g)
+    prefix[-1] = max_pages * block_size  # a full last page
+    args = (q, k_tree, v_tree, mask, num_nodes, k_cache, v_cache, table, prefix)
+    torch.testing.assert_close(tree_attention(*args), tree_attention_ref(*args), **TOL)
+
+
+def test_tree_attention_mask_matters():
+    """Control: a chain mask and a star mask over the same nodes give different outputs."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 2, 16, generator=g)
+    k_tree, v_tree = torch.randn(2, 1, 4, 1, 16, generator=g)
+    k_cache, v_cache = torch.randn(2, 2, 16, 1, 16, generator=g)
+    common = (torch.tensor([4]), k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([20]))
+    chain = torch.tril(torch.ones(4, 4, dtype=torch.bool))[None]
+    star = (torch.eye(4, dtype=torch.bool) | (torch.arange(4)[None] == 0))[None]
+    a = tree_attention(q, k_tree, v_tree, chain, *common)
+    b = tree_attention(q, k_tree, v_tree, star, *common)
+    assert torch.equal(a[0, :2], b[0, :2]) and not torch.allclose(a[0, 2:], b[0, 2:])
+
+
+def test_gpu_benchmark_script_smoke(tmp_path):
+    """The H200 script itself runs (tiny shapes, CPU interpreter, no timing)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_gpu.py"
+    out = tmp_path / "k.json"
+    done = subprocess.run(
+        [sys.executable, str(script), "--smoke", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert all(r["ok"] for r in report["layer_attention"] + report["tree_attention"])
