@@ -67,14 +67,12 @@ def eagle2_tree(
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
-    owner: list[int] = []  # expand entry -> candidate index of its parent
     for parent, child_tokens, child_scores in expand:
         order = sorted(range(len(child_tokens)), key=lambda j: -child_scores[j])[:breadth]
         for j in order:
             tokens.append(child_tokens[j])
             parents.append(parent)
             scores.append(child_scores[j])
-        owner.append(parent)
     chosen = set(sorted(range(len(tokens)), key=lambda i: -scores[i])[:budget])
     for i in list(chosen):
         while parents[i] >= 0 and parents[i] not in chosen:
