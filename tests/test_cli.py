@@ -213,3 +213,39 @@ def test_demo_end_to_end(tmp_path, capsys):
     # Cached: a second run builds nothing.
     assert run_demo(str(tmp_path), "import os", 5, 2, recipe) == 0
     assert "building" not in capsys.readouterr().out
+
+
+def test_generate_with_a_tree(capsys, tiny_target_dir, drafter_dir):
+    base = [
+        "generate",
+        "--target",
+        tiny_target_dir,
+        "--prompt",
+        "def f(x):",
+        "--max-new-tokens",
+        "10",
+        "--json",
+    ]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert (
+        main(
+            [
+                *base,
+                "--drafter",
+                drafter_dir,
+                "--tree-depth",
+                "3",
+                "--tree-breadth",
+                "2",
+                "--tree-tokens",
+                "6",
+            ]
+        )
+        == 0
+    )
+    tree = json.loads(capsys.readouterr().out)
+    assert tree["token_ids"] == plain["token_ids"]
+    assert len(tree["accepted_length_histogram"]) == 4  # depth 3 -> 0..3 accepted
+    assert main([*base, "--tree-depth", "3"]) == 1
+    assert "need --drafter" in capsys.readouterr().err

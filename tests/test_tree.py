@@ -94,3 +94,95 @@ def test_tree_sampling_preserves_the_target_distribution(verifier, lossless):
     expected = torch.outer(law, law).flatten() * counts.sum()
     pvalue = chi2.sf(float(((counts - expected) ** 2 / expected).sum()), vocab * vocab - 1)
     assert (pvalue > 1e-3) == lossless, pvalue
+
+
+# ---- end to end: the engine with MoA trees ----
+from conftest import make_drafter, make_hf_model  # noqa: E402
+
+from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine  # noqa: E402
+from vllm_moa.decoding.tree import TreeParams  # noqa: E402
+from vllm_moa.target import HFTarget  # noqa: E402
+
+
+def test_forward_tree_with_a_chain_equals_forward():
+    t = HFTarget(make_hf_model(seed=2))
+    ids = torch.arange(1, 15)
+    t.reset()
+    t.forward(ids[:8])
+    n = len(ids) - 8
+    chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
+    out = t.forward_tree(ids[8:], torch.arange(8, 8 + n), chain)
+    t.reset()
+    full = t.forward(ids)
+    torch.testing.assert_close(out.logits, full.logits[8:], atol=2e-5, rtol=1e-4)
+
+
+def test_cache_keep_compacts_the_accepted_path():
+    t = HFTarget(make_hf_model(seed=2))
+    ids = torch.tensor([3, 4, 5, 6, 7, 8])
+    t.reset()
+    t.forward(ids[:3])
+    # root token 6 at position 3; nodes: 7 (child of root), 99 (sibling), 8 (child of 7)
+    allowed = torch.tensor(
+        [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool
+    )
+    t.forward_tree(torch.tensor([6, 7, 99, 8]), torch.tensor([3, 4, 4, 5]), allowed)
+    t.cache.keep(3, [3, 4, 6])  # root, node 7, node 8
+    assert t.seq_len == 6
+    after = t.forward(torch.tensor([1]))
+    t.reset()
+    ref = t.forward(torch.tensor([3, 4, 5, 6, 7, 8, 1]))
+    torch.testing.assert_close(after.logits, ref.logits[-1:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    return HFTarget(make_hf_model(vocab_size=12, seed=11))
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+@pytest.mark.parametrize("tree", [TreeParams(3, 2, 5), TreeParams(4, 4, 12), TreeParams(6, 8, 62)])
+def test_tree_greedy_equality(small_target, tli, tree):
+    proposer = MoAProposer(make_drafter(small_target, tli=tli, seed=tli), small_target)
+    engine = SpeculativeEngine(small_target, proposer)
+    accepted = 0
+    for prompt in ([1, 5, 3], [7] * 9, list(range(12)) * 2):
+        plain = SpeculativeEngine(small_target).generate(prompt, 30).token_ids
+        result = engine.generate(prompt, 30, tree=tree)
+        assert result.token_ids == plain
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0
+
+
+def test_tree_needs_a_moa_drafter(small_target):
+    with pytest.raises(ValueError, match="tree decoding needs a MoA drafter"):
+        SpeculativeEngine(small_target).generate([1, 2], 5, tree=TreeParams())
+    with pytest.raises(ValueError, match="tree breadth must be an int >= 1"):
+        TreeParams(breadth=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lossless", [True, False])
+def test_engine_tree_sampling_preserves_the_target_distribution(monkeypatch, lossless):
+    """Tokens 2..4 of speculative tree sampling follow the exact target law (vocab 4), and a
+    broken sibling verifier is caught."""
+    import test_sampling as ts
+
+    import vllm_moa.decoding.engine as engine_module
+
+    target = HFTarget(
+        make_hf_model(
+            vocab_size=4, hidden_size=64, num_heads=1, num_layers=2, seed=6, logit_scale=8.0
+        )
+    )
+    if not lossless:
+        monkeypatch.setattr(engine_module, "verify_tree_sampling", _broken)
+    params = SamplingParams(temperature=1.0)
+    marginal = ts._exact_joint(target, params).sum(0).flatten()
+    engine = SpeculativeEngine(target, MoAProposer(make_drafter(target, tli=1, seed=1), target))
+    counts = torch.zeros(64)
+    for seed in range(1500):
+        r = engine.generate(ts.PROMPT, ts.NEW, params, seed=seed, tree=TreeParams(3, 2, 4))
+        a, b, c = r.token_ids[1:]
+        counts[(a * 4 + b) * 4 + c] += 1
+    assert (ts._chi2_pvalue(counts, marginal) > 1e-3) == lossless

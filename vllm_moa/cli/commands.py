@@ -70,6 +70,7 @@ def run_generation(
     seed: int | None = None,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    tree: Any = None,
 ) -> dict[str, Any]:
     """Load target (+ drafter), generate, and return the CLI's JSON record."""
     from transformers import AutoTokenizer
@@ -104,6 +105,7 @@ def run_generation(
         num_speculative_tokens=num_speculative_tokens,
         eos_token_ids=_eos_ids(tokenizer, target.model),
         seed=seed,
+        tree=tree,
     )
     record: dict[str, Any] = {
         "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
@@ -133,6 +135,18 @@ def generate(args: argparse.Namespace) -> int:
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     device, dtype = _runtime(args)
+    tree = None
+    if any(x is not None for x in (args.tree_depth, args.tree_breadth, args.tree_tokens)):
+        from vllm_moa.decoding.tree import TreeParams
+
+        if args.drafter is None:
+            raise ValueError("--tree-* options need --drafter (a MoA drafter)")
+        defaults = TreeParams()
+        tree = TreeParams(
+            depth=args.tree_depth or defaults.depth,
+            breadth=args.tree_breadth or defaults.breadth,
+            budget=args.tree_tokens or defaults.budget,
+        )
     record = run_generation(
         args.target,
         args.drafter,
@@ -144,6 +158,7 @@ def generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         device=device,
         dtype=dtype,
+        tree=tree,
     )
     if args.json:
         print(json.dumps(record))

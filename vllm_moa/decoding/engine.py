@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_moa.decoding.moa_proposer import MoAProposer
+from vllm_moa.decoding.moa_tree import MoATreeDrafter
 from vllm_moa.decoding.proposer import Proposer
 from vllm_moa.decoding.sampling import (
     SamplingParams,
@@ -21,6 +23,7 @@ from vllm_moa.decoding.sampling import (
     verify_rejection,
 )
 from vllm_moa.decoding.stats import GenerationStats
+from vllm_moa.decoding.tree import TreeParams, verify_tree_greedy, verify_tree_sampling
 from vllm_moa.target.adapter import HFTarget, TargetOutput
 
 RejectionVerifier = Callable[
@@ -35,12 +38,13 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def _rows(out: TargetOutput, n: int) -> TargetOutput:
-    """The first n rows of a target pass (the kept positions)."""
+def _rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
+    """The given rows of a target pass (the kept positions)."""
+    index = torch.tensor(rows, device=out.logits.device)
     return TargetOutput(
-        logits=out.logits[:n],
-        layer_kv=out.layer_kv[:n],
-        hidden_states={k: v[:n] for k, v in out.hidden_states.items()},
+        logits=out.logits[index],
+        layer_kv=out.layer_kv[index],
+        hidden_states={k: v[index] for k, v in out.hidden_states.items()},
     )
 
 
@@ -90,8 +94,18 @@ class SpeculativeEngine:
         num_speculative_tokens: int = 4,
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        tree: TreeParams | None = None,
     ) -> GenerationResult:
+        """Chain drafting of num_speculative_tokens, or EAGLE-2 trees when `tree` is given (its
+        depth then plays the part of K)."""
         params = params or SamplingParams()
+        if tree is not None:
+            if not isinstance(self.proposer, MoAProposer):
+                raise ValueError(
+                    "tree decoding needs a MoA drafter (the proposer is "
+                    f"{type(self.proposer).__name__})"
+                )
+            num_speculative_tokens = tree.depth
         self._check_request(prompt_ids, max_new_tokens, num_speculative_tokens)
         target, proposer = self.target, self.proposer
         gen = torch.Generator(device=target.device)
@@ -114,7 +128,9 @@ class SpeculativeEngine:
             last = generated[-1]
             position = len(prompt) + len(generated) - 1  # of `last`, not yet run by the target
             k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
-            if k >= 1 and proposer is not None:
+            if k >= 1 and tree is not None:
+                new = self._speculate_tree(last, position, k, tree, params, gen, stats)
+            elif k >= 1 and proposer is not None:
                 new = self._speculate(last, position, k, params, gen, stats)
             else:  # plain decoding, or the final token where no draft can fit
                 out = target.forward(torch.tensor([last]), hidden_layers)
@@ -157,9 +173,41 @@ class SpeculativeEngine:
             verdict = self.rejection_verifier(proposal.tokens, proposal.probs, target_probs, gen)
         a = verdict.num_accepted
         self.target.crop(position + a + 1)
-        self.proposer.accept(proposal.tokens[:a], _rows(out, a + 1))
+        self.proposer.accept(proposal.tokens[:a], _rows(out, list(range(a + 1))))
         stats.record_cycle(k, a)
         return [*proposal.tokens[:a], verdict.next_token]
+
+    def _speculate_tree(
+        self,
+        last: int,
+        position: int,
+        depth: int,
+        tree: TreeParams,
+        params: SamplingParams,
+        gen: torch.Generator,
+        stats: GenerationStats,
+    ) -> list[int]:
+        """One tree draft + verify cycle from `last` at `position`; returns the emitted tokens."""
+        assert isinstance(self.proposer, MoAProposer)
+        draft = MoATreeDrafter(self.proposer).draft(last, depth, tree.breadth, tree.budget)
+        m = draft.size
+        allowed = torch.zeros(m + 1, m + 1, dtype=torch.bool)
+        allowed[:, 0] = True  # every node sees the root token
+        allowed[1:, 1:] = draft.ancestor_mask()
+        positions = torch.tensor([position] + [position + d for d in draft.depths()])
+        out = self.target.forward_tree(
+            torch.tensor([last, *draft.tokens]), positions, allowed, self.proposer.hidden_layers
+        )
+        if params.greedy:
+            verdict = verify_tree_greedy(draft, out.logits)
+        else:
+            verdict = verify_tree_sampling(draft, probabilities(out.logits, params), gen)
+        rows = [0] + [i + 1 for i in verdict.path]
+        self.target.cache.keep(position, [position + r for r in rows])
+        accepted = [draft.tokens[i] for i in verdict.path]
+        self.proposer.accept(accepted, _rows(out, rows))
+        stats.record_cycle(depth, len(accepted))
+        return [*accepted, verdict.next_token]
 
     def _finish_reason(
         self, generated: list[int], prompt_len: int, max_new_tokens: int, eos: set[int]

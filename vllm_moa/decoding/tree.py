@@ -13,6 +13,22 @@ import torch
 
 
 @dataclass(frozen=True)
+class TreeParams:
+    """EAGLE-2 dynamic tree: expand the `breadth` best nodes per depth down to `depth`, then
+    verify the `budget` best nodes (the paper: 8, 6, 62)."""
+
+    depth: int = 6
+    breadth: int = 8
+    budget: int = 62
+
+    def __post_init__(self) -> None:
+        for name in ("depth", "breadth", "budget"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"tree {name} must be an int >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
 class DraftTree:
     tokens: list[int]  # [m] drafted token of each node
     parents: list[int]  # [m] parent node index, -1 for children of the root

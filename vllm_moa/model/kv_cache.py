@@ -65,5 +65,19 @@ class KVCache:
             raise ValueError(f"crop length must be >= 0, got {length}")
         self._lengths = [min(n, length) for n in self._lengths]
 
+    def keep(self, start: int, rows: list[int]) -> None:
+        """Keep positions < start, then the given absolute rows (>= start, increasing) moved to
+        start, start+1, ... in every layer: compaction after tree verification."""
+        index = None
+        for i in range(self.num_layers):
+            k, v = self._keys[i], self._values[i]
+            if k is None or v is None:
+                continue
+            if index is None:
+                index = torch.tensor(rows, device=k.device, dtype=torch.long)
+            k[:, :, start : start + len(rows)] = k[:, :, index]
+            v[:, :, start : start + len(rows)] = v[:, :, index]
+            self._lengths[i] = start + len(rows)
+
     def reset(self) -> None:
         self._lengths = [0] * self.num_layers

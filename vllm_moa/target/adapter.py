@@ -236,6 +236,51 @@ class HFTarget:
         )
 
     @torch.no_grad()
+    def forward_tree(
+        self,
+        token_ids: torch.Tensor,  # [n]: the root token, then the tree's nodes
+        positions: torch.Tensor,  # [n]: absolute positions (root p, a node p + its depth)
+        allowed: torch.Tensor,  # bool [n, n]: new token i sees new token j (self/ancestors)
+        hidden_layers: Sequence[int] = (),
+    ) -> TargetOutput:
+        """Verify a draft tree in one pass: every new token sees the whole cached prefix and,
+        among the new ones, what `allowed` permits. Their K/V are appended in the given order;
+        compact with `self.cache.keep(...)` once the accepted path is known."""
+        start = self.seq_len
+        positions = positions.to(self.device)
+        if int(positions.max()) >= self.max_length:  # device sync
+            raise ValueError(f"tree reaches position {int(positions.max())}, beyond the context")
+        prefix = torch.arange(start, device=self.device)
+        key_positions = torch.cat([prefix, positions])
+        visible = torch.cat(
+            [
+                torch.ones(len(positions), start, dtype=torch.bool, device=self.device),
+                allowed.to(self.device),
+            ],
+            dim=1,
+        )
+
+        def mask_for(i: int) -> torch.Tensor:
+            ok = visible & self.causal_allowed(i, positions, key_positions)
+            return self.additive_mask(ok)[None, None]
+
+        h = self.embed_tokens(token_ids.to(self.device))[None]
+        hidden: dict[int, torch.Tensor] = {}
+        num_layers = self.shape.num_layers
+        for i in range(num_layers):
+            if i in hidden_layers:
+                hidden[i] = h[0]
+            h = self.run_layers(h, positions, range(i, i + 1), self.cache, mask_for)
+        h = self.norm(h)
+        if num_layers in hidden_layers:
+            hidden[num_layers] = h[0]
+        return TargetOutput(
+            logits=self.lm_logits(h[0]),
+            layer_kv=kv_rows(self.cache, start, start + len(positions))[0],
+            hidden_states=hidden,
+        )
+
+    @torch.no_grad()
     def forward_batch(
         self, input_ids: torch.Tensor, hidden_layers: Sequence[int] = ()
     ) -> TargetOutput:
