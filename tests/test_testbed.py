@@ -31,6 +31,10 @@ def test_testbed_ci_preset(tmp_path):
                 str(tmp_path / "w"),
                 "--results",
                 str(results),
+                "--tree",
+                "3",
+                "2",
+                "4",
             ]
         )
         == 0
@@ -45,4 +49,7 @@ def test_testbed_ci_preset(tmp_path):
         for k in ("k4", "k6"):
             r = report["results"][m][k]
             assert r["lossless"] and 1.0 <= r["tau"] <= int(k[1:]) + 1
+    for m in ("moa_tli0", "moa_tli1", "moa_no_lsa"):
+        assert report["results"][m]["tree_d3_b2_m4"]["lossless"]
+    assert "tree_d3_b2_m4" not in report["results"]["eagle"]
     assert results.with_suffix(".png").is_file()

@@ -23,6 +23,7 @@ from benchmarks.testbed.drafters import METHODS, build_drafters
 from benchmarks.testbed.evaluate import evaluate_all, read_prompts
 from benchmarks.testbed.presets import PRESETS, TestbedConfig
 from benchmarks.testbed.report import git_sha, write_report
+from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.training.pretrain import pretrain_target
 
 
@@ -112,6 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--extra-text", nargs="*", default=[], help="more training text files")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
+    p.add_argument(
+        "--tree",
+        nargs=3,
+        type=int,
+        metavar=("DEPTH", "BREADTH", "BUDGET"),
+        default=None,
+        help="also evaluate MoA drafters with EAGLE-2 trees (the paper: 6 8 62)",
+    )
     args = p.parse_args(argv)
     cfg = PRESETS[args.preset]
     if args.drafter_steps:
@@ -126,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     drafter_stats = _drafters(out, cfg, corpus, args.methods)
     prompts = read_prompts(Path(args.prompts), cfg.eval_prompts)
     drafter_dirs = {m: out / "drafters" / m / "drafter" for m in args.methods}
-    figures = evaluate_all(out / "target", drafter_dirs, prompts, cfg.eval_new_tokens, cfg.ks)
+    tree = TreeParams(*args.tree) if args.tree else None
+    figures = evaluate_all(out / "target", drafter_dirs, prompts, cfg.eval_new_tokens, cfg.ks, tree)
     results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
     report = {
         "preset": args.preset,

@@ -10,7 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_moa.checkpoint import load_drafter
-from vllm_moa.decoding import SpeculativeEngine, make_proposer
+from vllm_moa.decoding import MoAProposer, SpeculativeEngine, make_proposer
+from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.target import HFTarget
 
 
@@ -30,8 +31,14 @@ def read_prompts(path: Path, limit: int) -> list[str]:
 
 
 def run_generations(
-    engine: SpeculativeEngine, prompts: list[list[int]], new_tokens: int, k: int, eos: list[int]
+    engine: SpeculativeEngine,
+    prompts: list[list[int]],
+    new_tokens: int,
+    k: int,
+    eos: list[int],
+    tree: TreeParams | None = None,
 ) -> dict[str, Any]:
+    """Greedy generations; k is the chain length, or the tree's depth when `tree` is given."""
     cycles = accepted = calls = tokens = 0
     seconds = 0.0
     hist = [0] * (k + 1)
@@ -39,7 +46,7 @@ def run_generations(
     accepted_at = [0] * k
     outputs = []
     for ids in prompts:
-        r = engine.generate(ids, new_tokens, num_speculative_tokens=k, eos_token_ids=eos)
+        r = engine.generate(ids, new_tokens, num_speculative_tokens=k, eos_token_ids=eos, tree=tree)
         s = r.stats
         outputs.append(r.token_ids)
         cycles += s.num_cycles
@@ -71,6 +78,7 @@ def evaluate_all(
     prompt_texts: list[str],
     new_tokens: int,
     ks: tuple[int, ...],
+    tree: TreeParams | None = None,
 ) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
@@ -89,4 +97,9 @@ def evaluate_all(
             r["lossless"] = r.pop("outputs") == plain["outputs"]
             r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
             results[name][f"k{k}"] = r
+        if tree is not None and isinstance(engine.proposer, MoAProposer):
+            r = run_generations(engine, prompts, new_tokens, tree.depth, eos, tree)
+            r["lossless"] = r.pop("outputs") == plain["outputs"]
+            r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
+            results[name][f"tree_d{tree.depth}_b{tree.breadth}_m{tree.budget}"] = r
     return results
