@@ -12,13 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from vllm_moa.decoding.moa_proposer import MoAProposer
-from vllm_moa.decoding.moa_tree import MoATreeDrafter
-from vllm_moa.decoding.proposer import Proposer
+from vllm_moa.decoding.proposer import Proposer, choose_token
 from vllm_moa.decoding.sampling import (
     SamplingParams,
     Verdict,
     probabilities,
-    sample,
     verify_greedy,
     verify_rejection,
 )
@@ -80,11 +78,6 @@ class SpeculativeEngine:
                 f"shorten it to at most {limit - 1} tokens"
             )
 
-    def _pick(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-        if params.greedy:
-            return int(logits.argmax().item())  # device sync
-        return sample(probabilities(logits, params), gen)
-
     @torch.no_grad()
     def generate(
         self,
@@ -120,7 +113,7 @@ class SpeculativeEngine:
         prompt = list(prompt_ids)
         out = target.forward(torch.tensor(prompt), hidden_layers)
         stats.num_target_calls += 1
-        generated = [self._pick(out.logits[-1], params, gen)]
+        generated = [choose_token(out.logits[-1], params, gen)[0]]
         if proposer is not None:
             proposer.start(prompt, out)
         finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
@@ -135,7 +128,7 @@ class SpeculativeEngine:
             else:  # plain decoding, or the final token where no draft can fit
                 out = target.forward(torch.tensor([last]), hidden_layers)
                 stats.record_cycle(0, 0)
-                new = [self._pick(out.logits[-1], params, gen)]
+                new = [choose_token(out.logits[-1], params, gen)[0]]
             for token in new:
                 generated.append(token)
                 finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
@@ -189,7 +182,7 @@ class SpeculativeEngine:
     ) -> list[int]:
         """One tree draft + verify cycle from `last` at `position`; returns the emitted tokens."""
         assert isinstance(self.proposer, MoAProposer)
-        draft = MoATreeDrafter(self.proposer).draft(last, depth, tree.breadth, tree.budget)
+        draft = self.proposer.propose_tree(last, depth, tree.breadth, tree.budget)
         m = draft.size
         allowed = torch.zeros(m + 1, m + 1, dtype=torch.bool)
         allowed[:, 0] = True  # every node sees the root token

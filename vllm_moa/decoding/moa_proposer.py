@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from vllm_moa.decoding.moa_tree import MoATreeDrafter
 from vllm_moa.decoding.proposer import DraftProposal, choose_token
 from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.moa import MoADrafter
 from vllm_moa.target.adapter import HFTarget, TargetOutput
@@ -92,12 +94,7 @@ class MoAProposer:
         params: SamplingParams,
         generator: torch.Generator | None,
     ) -> DraftProposal:
-        p = self.verified_len
-        if len(self.tokens) != p or self.target.seq_len != p:
-            raise RuntimeError(
-                f"proposer out of sync: {len(self.tokens)} tokens, memory {p}, "
-                f"target cache {self.target.seq_len}"
-            )
+        p = self._check_sync()
         self.tokens.append(last_token)
         drafts: list[int] = []
         logits, probs = [], []
@@ -109,15 +106,36 @@ class MoAProposer:
             logits.append(row)
             if dist is not None:
                 probs.append(dist)
-        del self.tokens[p:]  # only verified tokens stay; accept() appends what the target kept
-        self._last_token = last_token
-        if self.tli:
-            self.target.crop(p)  # drop the TLI layers' draft K/V
+        self._end_draft(p, last_token)
         return DraftProposal(
             tokens=drafts,
             logits=torch.stack(logits) if logits else torch.empty(0),
             probs=torch.stack(probs) if probs else None,
         )
+
+    def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
+        """EAGLE-2 tree below `last_token` (see moa_tree); then state as after propose()."""
+        p = self._check_sync()
+        self.tokens.append(last_token)
+        tree = MoATreeDrafter(self).draft(depth, breadth, budget)
+        self._end_draft(p, last_token)
+        return tree
+
+    def _check_sync(self) -> int:
+        """The verified length p, after checking tokens, memory and target cache agree."""
+        p = self.verified_len
+        if len(self.tokens) != p or self.target.seq_len != p:
+            raise RuntimeError(
+                f"proposer out of sync: {len(self.tokens)} tokens, memory {p}, "
+                f"target cache {self.target.seq_len}"
+            )
+        return p
+
+    def _end_draft(self, p: int, last_token: int) -> None:
+        del self.tokens[p:]  # only verified tokens stay; accept() appends what the target kept
+        self._last_token = last_token
+        if self.tli:
+            self.target.crop(p)  # drop the TLI layers' draft K/V
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         """`verified` holds the target rows of the last token and the accepted drafts."""

@@ -10,10 +10,14 @@ re-ranked into the `budget` best nodes (`eagle2_tree`). Nothing drafted is kept 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from vllm_moa.decoding.moa_proposer import MoAProposer
 from vllm_moa.decoding.tree import DraftTree, eagle2_tree
+
+if TYPE_CHECKING:  # MoAProposer owns a MoATreeDrafter per tree; avoid the import cycle
+    from vllm_moa.decoding.moa_proposer import MoAProposer
 
 
 class _NodeKV:
@@ -41,10 +45,12 @@ class MoATreeDrafter:
         self.p = proposer
 
     @torch.no_grad()
-    def draft(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
+    def draft(self, depth: int, breadth: int, budget: int) -> DraftTree:
+        """The tree below the proposer's last token (already appended to its tokens, at
+        position p = verified_len). Leaves the proposer's caches as they were before except
+        for the root step (SA up to p; TLI draft K/V at p): MoAProposer.propose_tree cleans up."""
         prop, target = self.p, self.p.target
         p = prop.verified_len
-        prop.tokens.append(last_token)
         root = prop.draft_logits(p).log_softmax(-1)  # SA cache now holds 0..p
         sa_k, sa_v = prop.sa_cache.get(0)
         self.sa = _NodeKV({0: (sa_k, sa_v)})
@@ -55,36 +61,35 @@ class MoATreeDrafter:
         self.score: list[float] = []
         self.depth: list[int] = []
         self.slot: dict[int, int] = {}  # expanded candidate -> its row among the expanded
-        expand = [self._add(-1, root, 0.0, 1, breadth)]
+        expand = self._add([-1], root[None], 1, breadth)
         frontier = list(range(len(self.token)))
         for d in range(2, depth + 1):
-            logits = self._expand(frontier, p)
-            new: list[int] = []
-            for row, cand in enumerate(frontier):
-                first = len(self.token)
-                expand.append(
-                    self._add(cand, logits[row].log_softmax(-1), self.score[cand], d, breadth)
-                )
-                new += range(first, len(self.token))
+            first = len(self.token)
+            expand += self._add(frontier, self._expand(frontier, p).log_softmax(-1), d, breadth)
+            new = range(first, len(self.token))
             frontier = sorted(new, key=lambda c: -self.score[c])[:breadth]
-        del prop.tokens[p:]
-        prop.sa_cache.crop(p + 1)
-        if prop.tli:
-            target.crop(p)
-        prop._last_token = last_token
         return eagle2_tree(expand, breadth, budget)
 
     def _add(
-        self, parent: int, logp: torch.Tensor, base: float, depth: int, breadth: int
-    ) -> tuple[int, list[int], list[float]]:
-        top = logp.topk(min(breadth, logp.shape[-1]))
-        tokens, scores = top.indices.tolist(), (top.values + base).tolist()  # device sync
+        self, parents: list[int], logp: torch.Tensor, depth: int, breadth: int
+    ) -> list[tuple[int, list[int], list[float]]]:
+        """Top-`breadth` children of each parent (rows of logp [f, V]) into the pool."""
+        top = logp.topk(min(breadth, logp.shape[-1]), dim=-1)
+        base = torch.tensor([self.score[c] if c >= 0 else 0.0 for c in parents])
+        tokens = top.indices.tolist()  # device syncs: once per depth, not per node
+        scores = (top.values.float().cpu() + base[:, None]).tolist()
+        out = []
+        for parent, toks, scs in zip(parents, tokens, scores, strict=True):
+            self._append(parent, toks, scs, depth)
+            out.append((parent, toks, scs))
+        return out
+
+    def _append(self, parent: int, tokens: list[int], scores: list[float], depth: int) -> None:
         for t, s in zip(tokens, scores, strict=True):
             self.parent.append(parent)
             self.token.append(t)
             self.score.append(s)
             self.depth.append(depth)
-        return parent, tokens, scores
 
     def _visible(self, frontier: list[int], prefix_len: int) -> torch.Tensor:
         """bool [f, prefix + expanded]: the whole prefix, then ancestors-or-self."""

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from vllm_moa.decoding.sampling import SamplingParams, probabilities
+from vllm_moa.decoding.sampling import SamplingParams, probabilities, sample
 from vllm_moa.target.adapter import TargetOutput
 
 
@@ -49,4 +49,4 @@ def choose_token(
     if params.greedy:
         return int(logits.argmax().item()), None  # device sync
     probs = probabilities(logits, params)
-    return int(torch.multinomial(probs, 1, generator=generator).item()), probs
+    return sample(probs, generator), probs

@@ -21,9 +21,8 @@ from vllm_moa.model.masks import causal_mask
 
 
 @dataclass(frozen=True)
-class EagleConfig(DrafterConfig):
-    MODEL_TYPE: ClassVar[str] = "eagle_drafter"
-    ARCHITECTURE: ClassVar[str] = "EagleDrafter"
+class TokenLayerConfig(DrafterConfig):
+    """Decoder layer(s) at the target's width over tokens: what both baselines are made of."""
 
     num_heads: int
     num_kv_heads: int
@@ -37,20 +36,17 @@ class EagleConfig(DrafterConfig):
 
 
 @dataclass(frozen=True)
-class IndependentConfig(DrafterConfig):
+class EagleConfig(TokenLayerConfig):
+    MODEL_TYPE: ClassVar[str] = "eagle_drafter"
+    ARCHITECTURE: ClassVar[str] = "EagleDrafter"
+
+
+@dataclass(frozen=True)
+class IndependentConfig(TokenLayerConfig):
     MODEL_TYPE: ClassVar[str] = "independent_drafter"
     ARCHITECTURE: ClassVar[str] = "IndependentDrafter"
 
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    intermediate_size: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-
-    def __post_init__(self) -> None:
-        self._check_numbers()
-        self._check_heads("", self.target_hidden_size, self.num_heads, self.num_kv_heads)
+    num_layers: int = 2
 
 
 def _init(module: nn.Module, seed: int, std: float) -> None:

@@ -9,6 +9,7 @@ about 264M trainable parameters at 8B. `small` halves the MLPs and KV heads for 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_moa.model.baselines import EagleConfig, IndependentConfig
 from vllm_moa.model.config import DrafterConfig, MoAConfig, TargetShape
@@ -53,8 +54,7 @@ def _token_heads(target: TargetInfo) -> int:
 def make_config(
     target: TargetInfo, preset: str = "paper", tli: int = 0, memory_source: str = "lsa"
 ) -> MoAConfig:
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
+    _check_preset(preset)
     s = target.shape
     width = 2 * s.kv_width
     lsa_heads = _heads_for(width, 64)
@@ -84,20 +84,31 @@ def make_config(
     )
 
 
-def make_eagle_config(target: TargetInfo, preset: str = "paper") -> EagleConfig:
-    """One decoder layer at the target's width (EAGLE); `small` shrinks the MLP and KV heads."""
+def _token_layer_fields(target: TargetInfo, kv_divisor: int, mlp: int) -> dict[str, Any]:
+    """Constructor arguments shared by the baselines' layers at the target's width."""
+    heads = _token_heads(target)
+    return {
+        **DrafterConfig.target_fields(target.shape),
+        "num_heads": heads,
+        "num_kv_heads": _kv_heads(heads, target.shape.num_kv_heads // kv_divisor),
+        "intermediate_size": max(8, mlp),
+        "rope_theta": target.rope_theta,
+        "rms_norm_eps": target.rms_norm_eps,
+    }
+
+
+def _check_preset(preset: str) -> bool:
+    """True for `small`; raises on an unknown preset."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
-    s = target.shape
-    heads = _token_heads(target)
-    small = preset == "small"
+    return preset == "small"
+
+
+def make_eagle_config(target: TargetInfo, preset: str = "paper") -> EagleConfig:
+    """One decoder layer at the target's width (EAGLE); `small` shrinks the MLP and KV heads."""
+    small, e = _check_preset(preset), target.shape.hidden_size
     return EagleConfig(
-        **DrafterConfig.target_fields(s),
-        num_heads=heads,
-        num_kv_heads=_kv_heads(heads, s.num_kv_heads // (4 if small else 1)),
-        intermediate_size=max(8, s.hidden_size * (3 if small else 7) // 2),
-        rope_theta=target.rope_theta,
-        rms_norm_eps=target.rms_norm_eps,
+        **_token_layer_fields(target, 4 if small else 1, e * (3 if small else 7) // 2)
     )
 
 
@@ -105,17 +116,6 @@ def make_independent_config(
     target: TargetInfo, preset: str = "paper", num_layers: int = 2
 ) -> IndependentConfig:
     """A `num_layers`-layer LM at the target's width sharing its embeddings and LM head."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {list(PRESETS)}")
-    s = target.shape
-    heads = _token_heads(target)
-    small = preset == "small"
-    return IndependentConfig(
-        **DrafterConfig.target_fields(s),
-        num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=_kv_heads(heads, s.num_kv_heads // (4 if small else 2)),
-        intermediate_size=max(8, s.hidden_size * 3 // (4 if small else 2)),
-        rope_theta=target.rope_theta,
-        rms_norm_eps=target.rms_norm_eps,
-    )
+    small, e = _check_preset(preset), target.shape.hidden_size
+    fields = _token_layer_fields(target, 4 if small else 2, e * 3 // (4 if small else 2))
+    return IndependentConfig(**fields, num_layers=num_layers)

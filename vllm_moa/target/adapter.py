@@ -202,16 +202,23 @@ class HFTarget:
         )
 
     def _forward_hidden(
-        self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, wanted: set[int]
+        self,
+        h: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        wanted: set[int],
+        mask_for: Callable[[int], torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """All layers + final norm on h [B, T, E]; returns (final [B, T, E], hidden dict)."""
+        """All layers + final norm on h [B, T, E]; returns (final [B, T, E], hidden dict).
+        Masks default to causal over the cache; forward_tree passes its own."""
         hidden: dict[int, torch.Tensor] = {}
         num_layers = self.shape.num_layers
+        masks = mask_for or (lambda i: self._cache_mask(cache, i, positions))
         cut_points = sorted({0, num_layers, *(i for i in wanted if i < num_layers)})
         for a, b in itertools.pairwise(cut_points):
             if a in wanted:
                 hidden[a] = h
-            h = self._run_cached(h, positions, range(a, b), cache)
+            h = self.run_layers(h, positions, range(a, b), cache, masks)
         h = self.norm(h)
         if num_layers in wanted:
             hidden[num_layers] = h
@@ -265,19 +272,11 @@ class HFTarget:
             return self.additive_mask(ok)[None, None]
 
         h = self.embed_tokens(token_ids.to(self.device))[None]
-        hidden: dict[int, torch.Tensor] = {}
-        num_layers = self.shape.num_layers
-        for i in range(num_layers):
-            if i in hidden_layers:
-                hidden[i] = h[0]
-            h = self.run_layers(h, positions, range(i, i + 1), self.cache, mask_for)
-        h = self.norm(h)
-        if num_layers in hidden_layers:
-            hidden[num_layers] = h[0]
+        h, hidden = self._forward_hidden(h, positions, self.cache, set(hidden_layers), mask_for)
         return TargetOutput(
             logits=self.lm_logits(h[0]),
             layer_kv=kv_rows(self.cache, start, start + len(positions))[0],
-            hidden_states=hidden,
+            hidden_states={k: v[0] for k, v in hidden.items()},
         )
 
     @torch.no_grad()
