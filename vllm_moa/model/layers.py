@@ -26,18 +26,20 @@ class RMSNorm(nn.Module):
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [S, D] for integer positions [S] (rotate-half convention)."""
+    """cos, sin of shape [..., S, D] for integer positions [..., S] (rotate-half convention)."""
     inv_freq = 1.0 / (
         theta
         ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     )
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [S, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [S, D]
+    freqs = positions.float()[..., None] * inv_freq  # [..., S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [..., S, D]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, D]; cos/sin: [S, D]."""
+    """x: [B, H, S, D]; cos/sin: [S, D], or [B, S, D] for per-row positions."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -95,7 +97,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, W], already normalised
-        positions: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T], or [B, T] per row
         k: torch.Tensor,  # [B, Hkv, S, D]
         v: torch.Tensor,  # [B, Hkv, S, D]
         mask: torch.Tensor | None,  # bool [T, S] or [B, 1, T, S]; None = full
@@ -148,7 +150,7 @@ class DecoderBlock(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, T, W]
-        positions: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T], or [B, T] per row
         k: torch.Tensor,  # [B, Hkv, S, D]
         v: torch.Tensor,  # [B, Hkv, S, D]
         mask: torch.Tensor | None,  # bool [T, S] or [B, 1, T, S]

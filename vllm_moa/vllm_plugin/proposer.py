@@ -1,0 +1,374 @@
+"""The MoA proposer inside vLLM's V1 model runner: chain drafts for every running request at once.
+
+Per request it keeps (keyed by request id, dropped when the request leaves the runner):
+- the CA memory K/V for tokens 0..p-1, where p = tokens whose target K/V is in the paged cache
+  (all but the token just sampled). New rows are read from the target's paged KV cache of every
+  layer (by block table), go through LSA + mean + Ekv2E once, and are appended;
+- the SA K/V of a prefix of the token sequence (SA K/V of a position depends only on its token,
+  so a prefix stays valid as long as its tokens do; rejected drafts are cut off).
+
+Each step drafts K tokens greedily from the last sampled token, exactly as the standalone engine's
+`MoAProposer` does (a test checks they agree token for token): SA over the pending tokens, CA
+over the memory, TLI through the target's own last layers (their K/V for drafted positions stay
+in the proposer; the verified cache is only read), the target's LM head. Greedy drafts keep
+vLLM's rejection sampler lossless at any temperature (it treats the draft as a point mass).
+
+Chunked prefill, preemption and recomputation need no special case: the memory is extended
+lazily to whatever the paged cache holds when a request next needs drafts, and a request that
+comes back with fewer verified tokens than its memory starts over.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm_moa.checkpoint.io import load_drafter
+from vllm_moa.model.moa import MoADrafter
+from vllm_moa.vllm_plugin.kv_reader import check_backend, gather_kv, slots_for_positions
+from vllm_moa.vllm_plugin.target_view import VllmTargetView
+
+logger = logging.getLogger("vllm_moa")
+
+
+@dataclass
+class RequestState:
+    mem_k: torch.Tensor | None = None  # [1, Hkv, p, D]
+    mem_v: torch.Tensor | None = None
+    sa_tokens: list[int] = field(default_factory=list)  # tokens with SA K/V cached, from 0
+    sa_k: torch.Tensor | None = None  # [1, Hkv, len(sa_tokens), D]
+    sa_v: torch.Tensor | None = None
+
+    @property
+    def memory_len(self) -> int:
+        return 0 if self.mem_k is None else self.mem_k.shape[2]
+
+
+@dataclass
+class DraftStats:
+    """Counters since start-up (acceptance itself is counted by vLLM's spec-decode metrics)."""
+
+    steps: int = 0
+    drafted_requests: int = 0
+    draft_tokens: int = 0
+    memory_rows: int = 0
+
+
+def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
+    return b if a is None else torch.cat([a, b], dim=2)
+
+
+def _pad_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, H, S_i, D] each -> [B, H, S_max, D] (zero padded) and a bool mask [B, S_max]."""
+    longest = max(t.shape[2] for t in tensors)
+    out = tensors[0].new_zeros(len(tensors), tensors[0].shape[1], longest, tensors[0].shape[3])
+    mask = torch.zeros(len(tensors), longest, dtype=torch.bool, device=out.device)
+    for i, t in enumerate(tensors):
+        out[i, :, : t.shape[2]] = t[0]
+        mask[i, : t.shape[2]] = True
+    return out, mask
+
+
+class MoAVllmProposer:
+    """Built by vLLM's `custom_class` branch (see patches.py) with the VllmConfig."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+        spec = vllm_config.speculative_config
+        self.num_speculative_tokens = int(spec.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("MoA speculative decoding does not support pipeline parallelism")
+        if parallel.tensor_parallel_size > 1:
+            raise ValueError(
+                "MoA speculative decoding does not support tensor parallelism yet "
+                f"(tensor_parallel_size={parallel.tensor_parallel_size}); serve with TP=1"
+            )
+        if getattr(vllm_config.model_config, "use_mla", False):
+            raise ValueError("MoA needs per-layer K/V: MLA targets are not supported")
+        self.drafter: MoADrafter | None = None
+        self.target: VllmTargetView | None = None
+        self.states: dict[str, RequestState] = {}
+        self.stats = DraftStats()
+        self._layer_groups: list[tuple[int, int]] | None = None  # per target layer: group, block
+
+    def propose(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            "MoAVllmProposer is driven by the vllm_moa plugin (propose_in_runner); the plugin's "
+            "patches are not active in this process. Is vllm_moa installed in this environment?"
+        )
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        spec = self.vllm_config.speculative_config
+        hf_config = self.vllm_config.model_config.hf_text_config
+        target = VllmTargetView(target_model, hf_config)
+        device = next(target_model.parameters()).device
+        dtype = self.vllm_config.model_config.dtype
+        drafter = load_drafter(spec.model, target=target.shape, dtype=dtype, device=device)
+        if not isinstance(drafter, MoADrafter):
+            raise ValueError(f"{spec.model} is not a MoA drafter")
+        if not drafter.uses_lsa:
+            raise ValueError(
+                "this drafter reads the target's last hidden states (memory_source 'hidden', "
+                "the -LSA ablation); inside vLLM only LSA drafters (memory_source 'lsa') are "
+                "supported"
+            )
+        if drafter.config.tli:
+            target.check_tail(drafter.config.tli)
+        cache_dtype = self.vllm_config.cache_config.cache_dtype
+        for attn in target.attn_layers:
+            check_backend(attn.attn_backend.get_name(), str(cache_dtype))
+        self.target = target
+        self.drafter = drafter.eval()
+        self.device = device
+        logger.info(
+            "MoA drafter %s loaded: TLI=%d, K=%d, backend %s",
+            spec.model,
+            drafter.config.tli,
+            self.num_speculative_tokens,
+            target.attn_layers[0].attn_backend.get_name(),
+        )
+
+    def _layer_layout(self, runner: Any) -> list[tuple[int, int]]:
+        if self._layer_groups is None:
+            assert self.target is not None
+            where: dict[str, tuple[int, int]] = {}
+            for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+                for name in group.layer_names:
+                    where[name] = (g, int(group.kv_cache_spec.block_size))
+            self._layer_groups = [where[name] for name in self.target.layer_names]
+        return self._layer_groups
+
+    # -- one step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose_in_runner(
+        self, runner: Any, scheduler_output: Any, sampled_token_ids: list[list[int]]
+    ) -> list[list[int]]:
+        batch = runner.input_batch
+        req_ids: list[str] = list(batch.req_ids)
+        for gone in set(self.states) - set(runner.requests):
+            del self.states[gone]
+        drafts: list[list[int]] = [[] for _ in req_ids]
+        if self.drafter is None or self.target is None:
+            return drafts
+        if any(a.kv_cache is None or a.kv_cache.numel() == 0 for a in self.target.attn_layers):
+            return drafts  # profiling run: no cache bound yet
+        rows: list[int] = []
+        budgets: list[int] = []
+        tokens: list[list[int]] = []
+        for row, rid in enumerate(req_ids):
+            if row >= len(sampled_token_ids) or not sampled_token_ids[row]:
+                continue  # partial prefill chunk or discarded: nothing to draft from
+            n = int(batch.num_tokens_no_spec[row])
+            budget = min(self.num_speculative_tokens, self.max_model_len - n)
+            if budget <= 0:
+                continue
+            state = self.states.get(rid)
+            if state is None or state.memory_len > n - 1:
+                self.states[rid] = RequestState()
+            rows.append(row)
+            budgets.append(budget)
+            tokens.append(batch.token_ids_cpu[row, :n].tolist())
+        if not rows:
+            return drafts
+        self._extend_memories(runner, [req_ids[r] for r in rows], tokens)
+        chains = self._draft(
+            [self.states[req_ids[r]] for r in rows],
+            [runner.requests[req_ids[r]].block_ids for r in rows],
+            runner,
+            tokens,
+            max(budgets),
+        )
+        for row, budget, chain in zip(rows, budgets, chains, strict=True):
+            drafts[row] = chain[:budget]
+        self.stats.steps += 1
+        self.stats.drafted_requests += len(rows)
+        self.stats.draft_tokens += sum(budgets)
+        return drafts
+
+    def _read_layer_kv(
+        self, runner: Any, block_ids: list[tuple[list[int], ...]], spans: list[tuple[int, int]]
+    ) -> torch.Tensor:
+        """Target K|V rows [N, L, 2 * E_kv] (per layer [k_h0|v_h0|...]) for each request's
+        position span, concatenated in request order."""
+        assert self.target is not None
+        layout = self._layer_layout(runner)
+        slots_by_group: dict[tuple[int, int], torch.Tensor] = {}
+        per_layer = []
+        for attn, key in zip(self.target.attn_layers, layout, strict=True):
+            if key not in slots_by_group:
+                group, block_size = key
+                slots_by_group[key] = torch.cat(
+                    [
+                        slots_for_positions(ids[group], block_size, a, b, self.device)
+                        for ids, (a, b) in zip(block_ids, spans, strict=True)
+                    ]
+                )
+            k, v = gather_kv(attn.kv_cache, slots_by_group[key], attn.attn_backend.get_name())
+            per_layer.append(torch.stack([k, v], dim=2).flatten(1))  # [N, H*2*D]
+        return torch.stack(per_layer, dim=1)
+
+    def _extend_memories(
+        self, runner: Any, req_ids: list[str], tokens: list[list[int]]
+    ) -> None:
+        """Memory rows for every token with target K/V not yet in a request's memory."""
+        drafter = self.drafter
+        assert drafter is not None
+        states = [self.states[r] for r in req_ids]
+        spans = [(s.memory_len, len(t) - 1) for s, t in zip(states, tokens, strict=True)]
+        todo = [i for i, (a, b) in enumerate(spans) if b > a]
+        if not todo:
+            return
+        layer_kv = self._read_layer_kv(
+            runner, [runner.requests[req_ids[i]].block_ids for i in todo], [spans[i] for i in todo]
+        )
+        memory = drafter.encode_memory(layer_kv.to(self._dtype))  # [N, E]
+        positions = torch.cat([torch.arange(*spans[i]) for i in todo]).to(self.device)
+        k, v = drafter.memory_kv(memory[None], positions)  # [1, Hkv, N, D]
+        offset = 0
+        for i in todo:
+            n = spans[i][1] - spans[i][0]
+            state = states[i]
+            state.mem_k = _cat(state.mem_k, k[:, :, offset : offset + n])
+            state.mem_v = _cat(state.mem_v, v[:, :, offset : offset + n])
+            offset += n
+        self.stats.memory_rows += offset
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        assert self.drafter is not None
+        return self.drafter.cross_attention.input_layernorm.weight.dtype
+
+    def _sync_sa(self, state: RequestState, tokens: list[int]) -> None:
+        """Keep the SA K/V of the longest prefix whose tokens are unchanged."""
+        keep = 0
+        limit = min(len(state.sa_tokens), len(tokens))
+        while keep < limit and state.sa_tokens[keep] == tokens[keep]:
+            keep += 1
+        if keep < len(state.sa_tokens):
+            del state.sa_tokens[keep:]
+            assert state.sa_k is not None and state.sa_v is not None
+            state.sa_k = state.sa_k[:, :, :keep]
+            state.sa_v = state.sa_v[:, :, :keep]
+
+    def _draft(
+        self,
+        states: list[RequestState],
+        block_ids: list[tuple[list[int], ...]],
+        runner: Any,
+        tokens: list[list[int]],
+        steps: int,
+    ) -> list[list[int]]:
+        drafter, target = self.drafter, self.target
+        assert drafter is not None and target is not None
+        for state, toks in zip(states, tokens, strict=True):
+            self._sync_sa(state, toks)
+        seqs = [list(t) for t in tokens]  # grows with the drafts
+        p = torch.tensor([len(t) - 1 for t in tokens], device=self.device)  # verified lengths
+        tail = self._tail_prefix(runner, block_ids, [len(t) - 1 for t in tokens])
+        mem_k, mem_mask = _pad_rows([s.mem_k for s in states])  # type: ignore[misc]
+        mem_v, _ = _pad_rows([s.mem_v for s in states])  # type: ignore[misc]
+        chains: list[list[int]] = [[] for _ in states]
+        sa = drafter.self_attention
+        for step in range(steps):
+            # SA K/V of each request's pending tokens (all but the first step: the last draft).
+            pending_ids, pending_pos, counts = [], [], []
+            for state, seq in zip(states, seqs, strict=True):
+                first = len(state.sa_tokens)
+                pending_ids.extend(seq[first:])
+                pending_pos.extend(range(first, len(seq)))
+                counts.append(len(seq) - first)
+            ids = torch.tensor(pending_ids, device=self.device)
+            emb = target.embed(ids).to(self._dtype)  # [N, E]
+            k, v = sa.kv_from(emb[None], torch.tensor(pending_pos, device=self.device))
+            offset = 0
+            last_rows = []
+            for state, seq, n in zip(states, seqs, counts, strict=True):
+                state.sa_k = _cat(state.sa_k, k[:, :, offset : offset + n])
+                state.sa_v = _cat(state.sa_v, v[:, :, offset : offset + n])
+                state.sa_tokens.extend(seq[len(state.sa_tokens) :])
+                offset += n
+                last_rows.append(offset - 1)
+            query = emb[torch.tensor(last_rows, device=self.device)][:, None]  # [B, 1, E]
+            positions = (p + step)[:, None]  # [B, 1]
+            sa_k, sa_mask = _pad_rows([s.sa_k for s in states])  # type: ignore[misc]
+            sa_v, _ = _pad_rows([s.sa_v for s in states])  # type: ignore[misc]
+            h = sa(query, positions, sa_k, sa_v, sa_mask[:, None, None, :])
+            # Every memory row (< p <= position) is visible to a drafted position.
+            h = drafter.cross_attention(h, positions, mem_k, mem_v, mem_mask[:, None, None, :])
+            h = h[:, 0]  # [B, E]
+            # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
+            # last N layers and final norm.
+            if tail is not None:
+                h = self._run_tail(tail, h, positions[:, 0])
+            logits = target.logits(h.to(self._target_dtype))
+            best = logits.argmax(dim=-1).tolist()
+            for chain, seq, token in zip(chains, seqs, best, strict=True):
+                chain.append(int(token))
+                seq.append(int(token))
+        return chains
+
+    @property
+    def _target_dtype(self) -> torch.dtype:
+        return self.vllm_config.model_config.dtype
+
+    # -- TLI ---------------------------------------------------------------------------------------
+
+    def _tail_prefix(
+        self, runner: Any, block_ids: list[tuple[list[int], ...]], verified: list[int]
+    ) -> list[list[torch.Tensor]] | None:
+        """For TLI: per tail layer, [k, v] padded [B, Hkv, S, D] of the verified prefix, + mask."""
+        assert self.drafter is not None and self.target is not None
+        tli = self.drafter.config.tli
+        if not tli:
+            return None
+        layout = self._layer_layout(runner)
+        out = []
+        total = self.target.shape.num_layers
+        for index in range(total - tli, total):
+            attn = self.target.attn_layers[index]
+            group, block_size = layout[index]
+            ks, vs = [], []
+            for ids, n in zip(block_ids, verified, strict=True):
+                slots = slots_for_positions(ids[group], block_size, 0, n, self.device)
+                k, v = gather_kv(attn.kv_cache, slots, attn.attn_backend.get_name())
+                ks.append(k.transpose(0, 1)[None])  # [1, Hkv, n, D]
+                vs.append(v.transpose(0, 1)[None])
+            k_pad, mask = _pad_rows(ks)
+            v_pad, _ = _pad_rows(vs)
+            out.append([k_pad, v_pad, mask])
+        return out
+
+    def _run_tail(
+        self, tail: list[list[torch.Tensor]], hidden: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Run the target's last layers on drafted hidden [B, E] at positions [B]; their K/V
+        are appended to `tail` (this cycle only) so later drafted positions see them."""
+        assert self.target is not None and self.drafter is not None
+        total = self.target.shape.num_layers
+        h = hidden.to(self._target_dtype)
+        batch = torch.arange(h.shape[0], device=h.device)
+        for j, index in enumerate(range(total - len(tail), total)):
+            q, k, v = self.target.tail_qkv(index, h, positions)  # [B, H, D], [B, Hkv, D]
+            k_all, v_all, mask = tail[j]
+            # Append this position's K/V in each row's first free column.
+            lengths = mask.sum(dim=1)
+            width = k_all.shape[2]
+            if int(lengths.max()) >= width:
+                grow = k_all.new_zeros(*k_all.shape[:2], 1, k_all.shape[3])
+                k_all = torch.cat([k_all, grow], dim=2)
+                v_all = torch.cat([v_all, grow], dim=2)
+                mask = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
+            k_all[batch, :, lengths] = k.to(k_all.dtype)
+            v_all[batch, :, lengths] = v.to(v_all.dtype)
+            mask[batch, lengths] = True
+            tail[j] = [k_all, v_all, mask]
+            h = self.target.tail_finish(index, h, q, k_all, v_all, mask)
+        return self.target.final_norm(h)
