@@ -50,10 +50,17 @@ def build_pair(base: Path) -> dict[str, Path]:
         init = save_drafter(drafter, base / f"init{tli}")
         Trainer(
             TrainConfig(
-                target=str(paths["target"]), data=tuple(map(str, corpus)),
-                out=str(base / f"tli{tli}"), max_steps=60, drafter=str(init), lr=2e-3,
-                batch_size=8, max_length=96, warmup_steps=3, eval_examples=0,
-            )  # fmt: skip
+                target=str(paths["target"]),
+                data=tuple(map(str, corpus)),
+                out=str(base / f"tli{tli}"),
+                max_steps=60,
+                drafter=str(init),
+                lr=2e-3,
+                batch_size=8,
+                max_length=96,
+                warmup_steps=3,
+                eval_examples=0,
+            )
         ).train()
     (base / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     return paths

@@ -18,7 +18,7 @@ PROMPTS = [
     "class Stack:\n    def __init__(self):\n",
     "for i in range(10):\n",
     "# Return the sum of a list\ndef total(values):\n    result = 0\n",
-    "def parse(text):\n    \"\"\"Parse the text and return a list of tokens.\"\"\"\n",
+    'def parse(text):\n    """Parse the text and return a list of tokens."""\n',
     "x",
     "import sys\nimport re\n\nclass Parser(object):\n    def __init__(self, text, pos=0):\n"
     "        self.text = text\n        self.pos = pos\n\n    def peek(self):\n",
@@ -138,9 +138,10 @@ def test_sampling_runs_and_reports_acceptance(moa_pair):
     assert metrics["vllm:spec_decode_num_drafts"] > 0
     per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert len(per_pos) == 3
-    assert metrics["vllm:spec_decode_num_draft_tokens"] >= metrics[
-        "vllm:spec_decode_num_accepted_tokens"
-    ]
+    assert (
+        metrics["vllm:spec_decode_num_draft_tokens"]
+        >= metrics["vllm:spec_decode_num_accepted_tokens"]
+    )
 
 
 def test_prompt_at_context_limit(moa_pair):

@@ -50,8 +50,8 @@ class CpuBlockLayout:
         n = block_size * num_heads * head_size
         ids = torch.arange(n, dtype=torch.long).view(block_size, num_heads, head_size)
         size = num_heads * 2 * block_size * head_size
-        found = {"k": torch.zeros(size, dtype=torch.long), "v": torch.zeros(size, dtype=torch.long)}
-        written = {"k": torch.zeros(size, dtype=torch.bool), "v": torch.zeros(size, dtype=torch.bool)}
+        found = {w: torch.zeros(size, dtype=torch.long) for w in "kv"}
+        written = {w: torch.zeros(size, dtype=torch.bool) for w in "kv"}
         slots = torch.arange(block_size, dtype=torch.long)
         shift = 0
         while (1 << shift) < n:  # one pass per base-16 digit: small integers are exact in bf16
@@ -91,7 +91,7 @@ def gather_kv(
     cpu_layout: CpuBlockLayout | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of `slots` [n] from one layer's cache: two [n, num_kv_heads, head_size] tensors."""
-    num_blocks, num_heads, block_size, width = kv_cache.shape
+    num_blocks, _, block_size, width = kv_cache.shape
     head_size = width // 2
     blocks = torch.div(slots, block_size, rounding_mode="floor")
     offsets = slots % block_size

@@ -102,7 +102,7 @@ def resolve_moa_drafter(model: object) -> str:
     if model_type != MOA_MODEL_TYPE:
         hint = (
             " It is one of our baseline drafters: export EAGLE drafters to vLLM's EAGLE format "
-            "(`python -m benchmarks.export_eagle`) and use method \"eagle\"."
+            '(`python -m benchmarks.export_eagle`) and use method "eagle".'
             if model_type
             else ""
         )
@@ -150,7 +150,7 @@ def _patch_method_literal() -> None:
     method_type = Literal[tuple([*values, METHOD])] | None  # type: ignore[valid-type]
     cls.__dataclass_fields__["method"].type = method_type
     cls.__annotations__["method"] = method_type
-    rebuild_dataclass(cls, force=True)
+    rebuild_dataclass(cls, force=True)  # type: ignore[arg-type]
 
 
 # 2. Config validation -----------------------------------------------------------------------

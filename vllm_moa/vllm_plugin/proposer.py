@@ -250,9 +250,7 @@ class MoAVllmProposer:
                 self._cpu_layouts[key] = layout
         return gather_kv(cache, slots, backend, layout)
 
-    def _extend_memories(
-        self, runner: Any, req_ids: list[str], tokens: list[list[int]]
-    ) -> None:
+    def _extend_memories(self, runner: Any, req_ids: list[str], tokens: list[list[int]]) -> None:
         """Memory rows for every token with target K/V not yet in a request's memory."""
         drafter = self.drafter
         assert drafter is not None
@@ -316,7 +314,9 @@ class MoAVllmProposer:
         sa = drafter.self_attention
         for step in range(steps):
             # SA K/V of each request's pending tokens (all but the first step: the last draft).
-            pending_ids, pending_pos, counts = [], [], []
+            pending_ids: list[int] = []
+            pending_pos: list[int] = []
+            counts: list[int] = []
             for state, seq in zip(states, seqs, strict=True):
                 first = len(state.sa_tokens)
                 pending_ids.extend(seq[first:])

@@ -60,13 +60,13 @@ class VllmTargetView:
         return [a.layer_name for a in self.attn_layers]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        if hasattr(self.model, "embed_input_ids"):
-            return self.model.embed_input_ids(ids)
-        return self.inner.embed_tokens(ids)
+        embed = getattr(self.model, "embed_input_ids", None) or self.inner.embed_tokens
+        return embed(ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normalised hidden [N, E] -> logits [N, V] through the target's LM head."""
-        return self.model.compute_logits(hidden)
+        compute_logits: Any = self.model.compute_logits
+        return compute_logits(hidden)
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.norm(hidden)

@@ -1,0 +1,151 @@
+"""The plugin's patches, config recognition and start-up errors, and the paged-KV reader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.vllm
+
+
+def test_entry_point_is_registered():
+    from importlib.metadata import entry_points
+
+    names = {ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert "vllm_moa.vllm_plugin:register" in names
+
+
+def test_version_check_names_the_supported_version():
+    from vllm_moa.vllm_plugin import UnsupportedVllmVersionError, check_vllm_version
+
+    check_vllm_version("0.32.0")
+    check_vllm_version("0.32.0+cpu")
+    with pytest.raises(UnsupportedVllmVersionError, match=r"supports vLLM 0\.32\.0 only.*0\.33\.0"):
+        check_vllm_version("0.33.0")
+
+
+def test_register_is_idempotent_and_extends_the_method_literal():
+    from vllm.config.speculative import SpeculativeConfig
+
+    from vllm_moa.vllm_plugin import register
+
+    register()
+    register()
+    assert "moa" in str(SpeculativeConfig.__dataclass_fields__["method"].type)
+
+
+def _engine_config(target, spec: dict):
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs(
+        model=str(target), dtype="float32", enforce_eager=True, max_model_len=256,
+        speculative_config=spec,
+    ).create_engine_config()  # fmt: skip
+
+
+def test_method_recognised_from_drafter_config(moa_pair):
+    config = _engine_config(moa_pair["target"], {"model": str(moa_pair["tli0"]),
+                                                 "num_speculative_tokens": 3})  # fmt: skip
+    spec = config.speculative_config
+    assert spec.method == "moa"
+    assert spec.model == str(moa_pair["tli0"].resolve())
+    assert spec.num_speculative_tokens == 3
+    # A `vllm-moa train --out` directory is accepted for its drafter/ folder.
+    out_dir = moa_pair["tli0"].parent
+    spec = _engine_config(
+        moa_pair["target"], {"method": "moa", "model": str(out_dir), "num_speculative_tokens": 2}
+    ).speculative_config
+    assert spec.model == str(moa_pair["tli0"].resolve())
+    assert "moa" in " ".join(config._get_v2_model_runner_unsupported_features())
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"method": "moa", "num_speculative_tokens": 3}, "needs \"model\""),
+        ({"method": "moa", "model": "/nonexistent/drafter", "num_speculative_tokens": 3},
+         "not a drafter directory"),
+        ({"method": "moa", "model": "TLI0"}, "num_speculative_tokens"),
+    ],
+)  # fmt: skip
+def test_bad_speculative_configs_fail_clearly(moa_pair, spec, message):
+    spec = {k: (str(moa_pair["tli0"]) if v == "TLI0" else v) for k, v in spec.items()}
+    with pytest.raises(Exception, match=message):
+        _engine_config(moa_pair["target"], spec)
+
+
+def test_baseline_drafter_is_refused_with_a_hint(moa_pair, tmp_path):
+    drafter = tmp_path / "eagle"
+    shutil.copytree(moa_pair["tli0"], drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    config["model_type"] = "moa_eagle_drafter"
+    (drafter / "config.json").write_text(json.dumps(config))
+    from vllm_moa.checkpoint.io import DRAFTER_KINDS
+
+    if "moa_eagle_drafter" not in DRAFTER_KINDS:
+        config["model_type"] = next(k for k in DRAFTER_KINDS if "eagle" in k)
+        (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="expected 'moa_drafter'"):
+        spec = {"method": "moa", "model": str(drafter), "num_speculative_tokens": 2}
+        _engine_config(moa_pair["target"], spec)
+
+
+def test_drafter_for_another_target_fails_at_startup(moa_pair, tmp_path):
+    """A drafter built for a different target: the engine refuses to start, naming the mismatch."""
+    import dataclasses
+
+    from tests.vllm_integration.conftest import make_llm
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.target import load_target_info
+
+    info = load_target_info(moa_pair["target"])
+    info = dataclasses.replace(info, shape=dataclasses.replace(info.shape, num_layers=5))
+    other = MoADrafter(make_config(info, preset="small"))
+    other.init_weights(0)
+    path = save_drafter(other, tmp_path / "other")
+    with pytest.raises(Exception, match="drafter was built for a target with"):
+        make_llm(moa_pair["target"], path)
+
+
+def test_channel_split_reader_matches_layout():
+    """FlashAttention/Triton layout: [blocks, heads, block_size, 2 * D], K then V channels."""
+    from vllm_moa.vllm_plugin.kv_reader import gather_kv, slots_for_positions
+
+    torch.manual_seed(0)
+    blocks, heads, bs, d = 5, 3, 16, 8
+    cache = torch.randn(blocks, heads, bs, 2 * d)
+    block_ids = [3, 0, 4]
+    slots = slots_for_positions(block_ids, bs, 10, 40, torch.device("cpu"))
+    k, v = gather_kv(cache, slots, "FLASH_ATTN")
+    for i, pos in enumerate(range(10, 40)):
+        b, off = block_ids[pos // bs], pos % bs
+        torch.testing.assert_close(k[i], cache[b, :, off, :d], rtol=0, atol=0)
+        torch.testing.assert_close(v[i], cache[b, :, off, d:], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_layout_probe_reads_back_what_vllm_wrote(dtype):
+    """Write random K/V with vLLM's CPU cache writer, read them back through the probed layout."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from vllm_moa.vllm_plugin.kv_reader import CpuBlockLayout, gather_kv
+
+    heads, bs, d, blocks = 2, 32, 64, 4
+    isa = _get_attn_isa(dtype, bs, d)
+    layout = CpuBlockLayout.probe(heads, bs, d, dtype, isa)
+    cache = torch.zeros(blocks, heads, 2 * bs, d, dtype=dtype)
+    key_cache, value_cache = cache.chunk(2, dim=2)
+    slots = torch.tensor([5, 40, 41, 127, 64, 0])
+    k = torch.randn(len(slots), heads, d).to(dtype)
+    v = torch.randn(len(slots), heads, d).to(dtype)
+    ops.cpu_attn_reshape_and_cache(
+        k, v, key_cache, value_cache, slots, isa, k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto"
+    )
+    got_k, got_v = gather_kv(cache.view(blocks, heads, bs, 2 * d), slots, "CPU_ATTN", layout)
+    torch.testing.assert_close(got_k, k, rtol=0, atol=0)
+    torch.testing.assert_close(got_v, v, rtol=0, atol=0)

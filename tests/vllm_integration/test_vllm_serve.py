@@ -1,0 +1,135 @@
+"""`vllm serve` with the MoA speculative method, end to end over HTTP (OpenAI API)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(moa_pair, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    vllm = Path(sys.executable).with_name("vllm")
+    cmd = [
+        str(vllm), "serve", str(moa_pair["target"]),
+        "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+        "--spec-method", "moa", "--spec-model", str(moa_pair["tli0"]), "--spec-tokens", "4",
+    ]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
+    yield base
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=server + "/v1", api_key="none")
+
+
+def test_completions_match_plain_greedy(client, moa_pair):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "def fibonacci(n):\n"
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
+    tok = AutoTokenizer.from_pretrained(moa_pair["target"])
+    model = AutoModelForCausalLM.from_pretrained(moa_pair["target"])
+    ids = tok(prompt, return_tensors="pt").input_ids
+    ref = model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :]
+    got = tok(out.choices[0].text, add_special_tokens=False).input_ids
+    assert out.choices[0].text == tok.decode(ref, skip_special_tokens=True) or got == ref.tolist()
+    assert out.usage.completion_tokens == 24
+
+
+def test_chat_streaming_and_concurrency(client):
+    messages = [{"role": "user", "content": "Write a function that adds two numbers."}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16)
+    assert chat.choices[0].message.content is not None
+    pieces = [
+        chunk.choices[0].delta.content or ""
+        for chunk in client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=16, stream=True
+        )
+        if chunk.choices
+    ]
+    assert "".join(pieces)
+    stream = client.completions.create(
+        model="tiny", prompt="import os\n", max_tokens=16, stream=True, temperature=0
+    )
+    assert "".join(c.choices[0].text for c in stream)
+
+    def one(i: int) -> str:
+        r = client.completions.create(
+            model="tiny", prompt=f"# task {i}\ndef f{i}(x):\n", max_tokens=20, temperature=0.7
+        )
+        return r.choices[0].text
+
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(one, range(8)))
+    assert len(texts) == 8
+
+
+def test_bad_request_gets_http_error_and_server_keeps_serving(client, server):
+    import openai
+
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="x" * 10, max_tokens=100_000)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=-1)
+    ok = client.completions.create(model="tiny", prompt="hello", max_tokens=4)
+    assert ok.choices[0].text is not None
+
+
+def test_metrics_expose_spec_decode_counters(client, server):
+    client.completions.create(model="tiny", prompt="class A:\n", max_tokens=16, temperature=0)
+    with urllib.request.urlopen(server + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for name in (
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+    ):
+        assert name in text
+    drafts = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("vllm:spec_decode_num_drafts") and not line.startswith("#")
+    ]
+    assert drafts and max(drafts) > 0
