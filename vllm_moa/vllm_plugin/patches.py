@@ -101,8 +101,8 @@ def resolve_moa_drafter(model: object) -> str:
     model_type = moa_drafter_model_type(str(path))
     if model_type != MOA_MODEL_TYPE:
         hint = (
-            " It is one of our baseline drafters: export EAGLE drafters to vLLM's EAGLE format "
-            '(`python -m benchmarks.export_eagle`) and use method "eagle".'
+            " It is one of our baseline drafters (EAGLE / independent), which run in the "
+            "standalone engine (`vllm-moa generate --drafter`), not as vLLM's moa method."
             if model_type
             else ""
         )
