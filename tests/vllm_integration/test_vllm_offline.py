@@ -156,6 +156,17 @@ def test_prompt_at_context_limit(moa_pair):
     assert llm.generate([prompt], _greedy(4))[0].outputs[0].token_ids == expected
 
 
+@pytest.mark.parametrize("tli", [0, 1])
+def test_one_token_prompt(moa_pair, tli):
+    """Nothing is verified before the first draft: an empty CA memory (and TLI prefix)."""
+    prompts = [{"prompt_token_ids": [7]}, {"prompt_token_ids": [1, 7, 9]}]
+    plain = make_llm(moa_pair["target"])
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, _greedy(12))]
+    del plain
+    llm = make_llm(moa_pair["target"], moa_pair[f"tli{tli}"], k=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(12))] == expected
+
+
 def test_chunked_prefill_and_preemption_stay_lossless(moa_pair):
     """Long prompts prefilled in chunks of 32 tokens, and a KV cache too small for all requests
     at once (the scheduler preempts and later recomputes): outputs still equal plain decoding."""

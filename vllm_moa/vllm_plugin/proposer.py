@@ -52,6 +52,9 @@ class RequestState:
     sa_tokens: list[int] = field(default_factory=list)  # tokens with SA K/V cached, from 0
     sa_k: torch.Tensor | None = None  # [1, Hkv, len(sa_tokens), D]
     sa_v: torch.Tensor | None = None
+    # TLI: the verified prefix's K/V of each tail layer (same tokens as the memory), [1, Hkv, n, D]
+    tail_k: list[torch.Tensor] = field(default_factory=list)
+    tail_v: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def memory_len(self) -> int:
@@ -73,8 +76,9 @@ def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, H, S_i, D] each -> [B, H, S_max, D] (zero padded) and a bool mask [B, S_max]."""
-    longest = max(t.shape[2] for t in tensors)
+    """[1, H, S_i, D] each -> [B, H, S_max, D] (zero padded) and a bool mask [B, S_max].
+    S_max is at least 1, so a batch whose rows are all empty still attends (to nothing)."""
+    longest = max(1, max(t.shape[2] for t in tensors))
     out = tensors[0].new_zeros(len(tensors), tensors[0].shape[1], longest, tensors[0].shape[3])
     mask = torch.zeros(len(tensors), longest, dtype=torch.bool, device=out.device)
     for i, t in enumerate(tensors):
@@ -307,9 +311,14 @@ class MoAVllmProposer:
             self._sync_sa(state, toks)
         seqs = [list(t) for t in tokens]  # grows with the drafts
         p = torch.tensor([len(t) - 1 for t in tokens], device=self.device)  # verified lengths
-        tail = self._tail_prefix(runner, block_ids, [len(t) - 1 for t in tokens])
-        mem_k, mem_mask = _pad_rows([s.mem_k for s in states])  # type: ignore[misc]
-        mem_v, _ = _pad_rows([s.mem_v for s in states])  # type: ignore[misc]
+        tail = self._tail_prefix(runner, states, block_ids, [len(t) - 1 for t in tokens])
+        # A one-token prompt has no verified token yet: an empty memory (its CA output is zero).
+        ca = drafter.cross_attention.self_attn
+        empty = torch.zeros(
+            1, ca.num_kv_heads, 0, ca.head_dim, dtype=self._dtype, device=self.device
+        )
+        mem_k, mem_mask = _pad_rows([empty if s.mem_k is None else s.mem_k for s in states])
+        mem_v, _ = _pad_rows([empty if s.mem_v is None else s.mem_v for s in states])
         chains: list[list[int]] = [[] for _ in states]
         sa = drafter.self_attention
         for step in range(steps):
@@ -359,27 +368,44 @@ class MoAVllmProposer:
     # -- TLI ---------------------------------------------------------------------------------------
 
     def _tail_prefix(
-        self, runner: Any, block_ids: list[tuple[list[int], ...]], verified: list[int]
+        self,
+        runner: Any,
+        states: list[RequestState],
+        block_ids: list[tuple[list[int], ...]],
+        verified: list[int],
     ) -> list[list[torch.Tensor]] | None:
-        """For TLI: per tail layer, [k, v] padded [B, Hkv, S, D] of the verified prefix, + mask."""
+        """For TLI: per tail layer, [k, v] padded [B, Hkv, S, D] of the verified prefix, + mask.
+        Each request's prefix is kept in its state and only the new positions are read."""
         assert self.drafter is not None and self.target is not None
         tli = self.drafter.config.tli
         if not tli:
             return None
         layout = self._layer_layout(runner)
-        out = []
         total = self.target.shape.num_layers
-        for index in range(total - tli, total):
-            attn = self.target.attn_layers[index]
-            group, block_size = layout[index]
-            ks, vs = [], []
-            for ids, n in zip(block_ids, verified, strict=True):
-                slots = slots_for_positions(ids[group], block_size, 0, n, self.device)
+        for state, ids, n in zip(states, block_ids, verified, strict=True):
+            start = state.tail_k[0].shape[2] if state.tail_k else 0
+            if n <= start:
+                continue
+            for j, index in enumerate(range(total - tli, total)):
+                attn = self.target.attn_layers[index]
+                group, block_size = layout[index]
+                slots = slots_for_positions(ids[group], block_size, start, n, self.device)
                 k, v = self._gather(attn, slots)
-                ks.append(k.transpose(0, 1)[None])  # [1, Hkv, n, D]
-                vs.append(v.transpose(0, 1)[None])
-            k_pad, mask = _pad_rows(ks)
-            v_pad, _ = _pad_rows(vs)
+                k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, new, D]
+                if j < len(state.tail_k):
+                    state.tail_k[j] = torch.cat([state.tail_k[j], k], dim=2)
+                    state.tail_v[j] = torch.cat([state.tail_v[j], v], dim=2)
+                else:
+                    state.tail_k.append(k)
+                    state.tail_v.append(v)
+        shape = self.target.shape
+        empty = torch.zeros(
+            1, shape.num_kv_heads, 0, shape.head_dim, dtype=self._target_dtype, device=self.device
+        )
+        out = []
+        for j in range(tli):
+            k_pad, mask = _pad_rows([s.tail_k[j] if s.tail_k else empty for s in states])
+            v_pad, _ = _pad_rows([s.tail_v[j] if s.tail_v else empty for s in states])
             out.append([k_pad, v_pad, mask])
         return out
 
