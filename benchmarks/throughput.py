@@ -3,12 +3,12 @@
     python -m benchmarks.throughput --target DIR --drafter DIR --prompts HumanEval.jsonl.gz \
         --out benchmarks/results/throughput_cpu.json
 
-For each method (plain, then MoA with each K) one in-process vLLM engine serves, for each batch
-size b, rounds of b requests submitted together (closed loop: the next round starts when the
-last request finishes), greedy, `--max-tokens` new tokens each (ignore_eos, so every method
-generates the same number of tokens). Reported per (method, b): output tokens/s over the whole
-run, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts, per-position rates)
-from vLLM's own spec-decode counters. Ratios to plain are computed within the same run.
+One in-process vLLM engine per method (plain, MoA with each K), all alive at once. For each
+batch size b, rounds of b requests submitted together (closed loop), greedy, `--max-tokens` new
+tokens each (ignore_eos: every method generates the same tokens), rounds alternating between
+the engines so drift in machine speed hits all alike. Reported per (method, b): median output
+tokens/s over rounds, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts,
+per-position rates) from vLLM's own spec-decode counters; speedup = ratio of medians.
 Writes a JSON (config, git SHA, machine, figures) and a PNG beside it.
 """
 
@@ -40,87 +40,103 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def run_method(
-    target: str,
-    drafter: str | None,
-    k: int,
-    prompts: list[str],
-    batch_sizes: list[int],
-    rounds: int,
-    max_tokens: int,
-    dtype: str,
-) -> list[dict[str, Any]]:
-    from vllm import LLM, SamplingParams
+def make_engine(target: str, drafter: str | None, k: int, max_batch: int, dtype: str) -> Any:
+    from vllm import LLM
 
     spec = None
     if drafter:
         spec = {"method": "moa", "model": drafter, "num_speculative_tokens": k}
-    llm = LLM(
+    return LLM(
         model=target,
         dtype=dtype,
         enforce_eager=True,
         speculative_config=spec,
         disable_log_stats=False,
         seed=0,
-        max_num_seqs=max(batch_sizes),
+        max_num_seqs=max_batch,
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_round(
+    llm: Any, prompts: list[str], params: Any, tag: str
+) -> tuple[float, int, list[float]]:
+    """Submit all prompts at once, step until done: (elapsed s, output tokens, latencies)."""
     engine = llm.llm_engine
-    # Warm-up: one round at the smallest batch size (allocations, first-call overheads).
-    llm.generate(prompts[: batch_sizes[0]], params, use_tqdm=False)
-    results = []
+    submitted: dict[str, float] = {}
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        engine.add_request(rid, prompt, params)
+        submitted[rid] = time.perf_counter()
+    latencies: list[float] = []
+    tokens = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                latencies.append(time.perf_counter() - submitted[out.request_id])
+                tokens += len(out.outputs[0].token_ids)
+    return time.perf_counter() - start, tokens, latencies
+
+
+def run(
+    engines: dict[str, Any],
+    prompts: list[str],
+    batch_sizes: list[int],
+    rounds: int,
+    max_tokens: int,
+) -> list[dict[str, Any]]:
+    """Rounds alternate between the engines (plain, MoA, plain, ...) so that drift in machine
+    speed hits every method alike; figures are medians over rounds."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    for llm in engines.values():  # warm-up
+        run_round(llm, prompts[: batch_sizes[0]], params, "warmup")
+    rows = []
     next_prompt = 0
     for b in batch_sizes:
-        before = _spec_counters(llm)
-        latencies: list[float] = []
-        tokens = 0
-        start = time.perf_counter()
-        for r in range(rounds):
-            submitted: dict[str, float] = {}
-            for i in range(b):
-                rid = f"b{b}-r{r}-{i}"
-                engine.add_request(rid, prompts[next_prompt % len(prompts)], params)
-                next_prompt += 1
-                submitted[rid] = time.perf_counter()
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        latencies.append(time.perf_counter() - submitted[out.request_id])
-                        tokens += len(out.outputs[0].token_ids)
-        elapsed = time.perf_counter() - start
-        after = _spec_counters(llm)
-        row: dict[str, Any] = {
-            "method": f"moa_k{k}" if drafter else "plain",
-            "batch_size": b,
-            "requests": b * rounds,
-            "output_tokens": tokens,
-            "elapsed_s": elapsed,
-            "output_tokens_per_s": tokens / elapsed,
-            "latency_p50_s": statistics.median(latencies),
-            "latency_p99_s": _percentile(latencies, 0.99),
+        per: dict[str, dict[str, list[Any]]] = {
+            m: {"tps": [], "lat": [], "tokens": []} for m in engines
         }
-        if drafter:
-            drafts = after["vllm:spec_decode_num_drafts"] - before.get(
-                "vllm:spec_decode_num_drafts", 0
-            )
-            accepted = after["vllm:spec_decode_num_accepted_tokens"] - before.get(
-                "vllm:spec_decode_num_accepted_tokens", 0
-            )
-            per_pos_after = after["vllm:spec_decode_num_accepted_tokens_per_pos"]
-            per_pos_before = before.get(
-                "vllm:spec_decode_num_accepted_tokens_per_pos", [0] * len(per_pos_after)
-            )
-            row["num_drafts"] = drafts
-            row["num_accepted_tokens"] = accepted
-            row["tau"] = 1 + accepted / drafts if drafts else None
-            row["acceptance_per_position"] = [
-                (a - p) / drafts if drafts else None
-                for a, p in zip(per_pos_after, per_pos_before, strict=True)
-            ]
-        results.append(row)
-        print(json.dumps(row), flush=True)
-    del llm
-    return results
+        before = {m: _spec_counters(llm) for m, llm in engines.items()}
+        for r in range(rounds):
+            batch = [prompts[(next_prompt + i) % len(prompts)] for i in range(b)]
+            next_prompt += b
+            for m, llm in engines.items():
+                elapsed, tokens, lat = run_round(llm, batch, params, f"{m}-b{b}-r{r}")
+                per[m]["tps"].append(tokens / elapsed)
+                per[m]["lat"].extend(lat)
+                per[m]["tokens"].append(tokens)
+        for m, llm in engines.items():
+            row: dict[str, Any] = {
+                "method": m,
+                "batch_size": b,
+                "rounds": rounds,
+                "requests": b * rounds,
+                "output_tokens": sum(per[m]["tokens"]),
+                "output_tokens_per_s": statistics.median(per[m]["tps"]),
+                "output_tokens_per_s_rounds": per[m]["tps"],
+                "latency_p50_s": statistics.median(per[m]["lat"]),
+                "latency_p99_s": _percentile(per[m]["lat"], 0.99),
+            }
+            after = _spec_counters(llm)
+            if "vllm:spec_decode_num_drafts" in after:
+                key = "vllm:spec_decode_num_drafts"
+                drafts = after[key] - before[m].get(key, 0)
+                key = "vllm:spec_decode_num_accepted_tokens"
+                accepted = after[key] - before[m].get(key, 0)
+                key = "vllm:spec_decode_num_accepted_tokens_per_pos"
+                pos_before = before[m].get(key, [0] * len(after[key]))
+                row["num_drafts"] = drafts
+                row["num_accepted_tokens"] = accepted
+                row["tau"] = 1 + accepted / drafts if drafts else None
+                row["acceptance_per_position"] = [
+                    (a - p) / drafts if drafts else None
+                    for a, p in zip(after[key], pos_before, strict=True)
+                ]
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "output_tokens_per_s_rounds"}))
+    return rows
 
 
 def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -167,20 +183,11 @@ def main() -> None:
     import vllm
 
     prompts = read_prompts(Path(args.prompts), 64)
-    rows = run_method(
-        args.target, None, 0, prompts, args.batch_sizes, args.rounds, args.max_tokens, args.dtype
-    )
+    top = max(args.batch_sizes)
+    engines = {"plain": make_engine(args.target, None, 0, top, args.dtype)}
     for k in args.k:
-        rows += run_method(
-            args.target,
-            args.drafter,
-            k,
-            prompts,
-            args.batch_sizes,
-            args.rounds,
-            args.max_tokens,
-            args.dtype,
-        )
+        engines[f"moa_k{k}"] = make_engine(args.target, args.drafter, k, top, args.dtype)
+    rows = run(engines, prompts, args.batch_sizes, args.rounds, args.max_tokens)
     plain = {r["batch_size"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
     for r in rows:
         r["speedup_vs_plain"] = r["output_tokens_per_s"] / plain[r["batch_size"]]
