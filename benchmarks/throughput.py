@@ -120,7 +120,8 @@ def run(
                 "latency_p99_s": _percentile(per[m]["lat"], 0.99),
             }
             after = _spec_counters(llm)
-            if "vllm:spec_decode_num_drafts" in after:
+            # vLLM's counters live in a process-wide registry: only MoA engines draft.
+            if m != "plain" and "vllm:spec_decode_num_drafts" in after:
                 key = "vllm:spec_decode_num_drafts"
                 drafts = after[key] - before[m].get(key, 0)
                 key = "vllm:spec_decode_num_accepted_tokens"
