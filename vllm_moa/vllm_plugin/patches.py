@@ -180,11 +180,9 @@ def _patch_speculative_post_init() -> None:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
-        self.method, self.model = "custom_class", PROPOSER_CLASS_PATH
-        try:
+        self.model = drafter_dir
+        with shown_as_custom_class(self):
             original(self)
-        finally:
-            self.method, self.model = METHOD, drafter_dir
 
     __post_init__._vllm_moa = True  # type: ignore[attr-defined]
     SpeculativeConfig.__post_init__ = __post_init__  # type: ignore[method-assign]

@@ -61,30 +61,46 @@ class RequestState:
         return 0 if self.mem_k is None else self.mem_k.shape[2]
 
 
-@dataclass
-class DraftStats:
-    """Counters since start-up (acceptance itself is counted by vLLM's spec-decode metrics)."""
-
-    steps: int = 0
-    drafted_requests: int = 0
-    draft_tokens: int = 0
-    memory_rows: int = 0
-
-
 def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
     return b if a is None else torch.cat([a, b], dim=2)
 
 
-def _pad_rows(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """[1, H, S_i, D] each -> [B, H, S_max, D] (zero padded) and a bool mask [B, S_max].
-    S_max is at least 1, so a batch whose rows are all empty still attends (to nothing)."""
-    longest = max(1, max(t.shape[2] for t in tensors))
-    out = tensors[0].new_zeros(len(tensors), tensors[0].shape[1], longest, tensors[0].shape[3])
-    mask = torch.zeros(len(tensors), longest, dtype=torch.bool, device=out.device)
-    for i, t in enumerate(tensors):
-        out[i, :, : t.shape[2]] = t[0]
-        mask[i, : t.shape[2]] = True
-    return out, mask
+@dataclass
+class PaddedKV:
+    """Per-request K/V [1, H, S_i, D] batched as [B, H, S, D] with row lengths, with room to
+    append `extra` positions per row (one per draft step) without re-padding."""
+
+    k: torch.Tensor  # [B, H, S, D]
+    v: torch.Tensor
+    lengths: torch.Tensor  # long [B]
+
+    @classmethod
+    def of(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], extra: int = 0) -> PaddedKV:
+        lengths = [t.shape[2] for t in ks]
+        width = max(1, max(lengths) + extra)  # >= 1: rows with nothing visible attend to zeros
+        k = ks[0].new_zeros(len(ks), ks[0].shape[1], width, ks[0].shape[3])
+        v = torch.zeros_like(k)
+        for i, (ki, vi) in enumerate(zip(ks, vs, strict=True)):
+            k[i, :, : ki.shape[2]] = ki[0]
+            v[i, :, : vi.shape[2]] = vi[0]
+        return cls(k, v, torch.tensor(lengths, device=k.device))
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """bool [B, 1, 1, S]: key j of row b is visible."""
+        cols = torch.arange(self.k.shape[2], device=self.k.device)
+        return (cols[None, :] < self.lengths[:, None])[:, None, None, :]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One more position per row: k, v [B, H, D]."""
+        rows = torch.arange(k.shape[0], device=k.device)
+        self.k[rows, :, self.lengths] = k.to(self.k.dtype)
+        self.v[rows, :, self.lengths] = v.to(self.v.dtype)
+        self.lengths += 1
+
+    def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(self.lengths[i])
+        return self.k[i : i + 1, :, :n].clone(), self.v[i : i + 1, :, :n].clone()
 
 
 class MoAVllmProposer:
@@ -108,7 +124,6 @@ class MoAVllmProposer:
         self.drafter: MoADrafter | None = None
         self.target: VllmTargetView | None = None
         self.states: dict[str, RequestState] = {}
-        self.stats = DraftStats()
         self._layer_groups: list[tuple[int, int]] | None = None  # per target layer: group, block
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
 
@@ -200,13 +215,7 @@ class MoAVllmProposer:
         if not rows:
             return drafts
         self._extend_memories(runner, [req_ids[r] for r in rows], tokens)
-        chains = self._draft(
-            [self.states[req_ids[r]] for r in rows],
-            [runner.requests[req_ids[r]].block_ids for r in rows],
-            runner,
-            tokens,
-            max(budgets),
-        )
+        chains = self._draft([self.states[req_ids[r]] for r in rows], tokens, max(budgets))
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
         trace = os.environ.get(TRACE_ENV)
@@ -214,9 +223,6 @@ class MoAVllmProposer:
             with open(trace, "a") as f:
                 for row, toks in zip(rows, tokens, strict=True):
                     f.write(json.dumps({"tokens": toks, "drafts": drafts[row]}) + "\n")
-        self.stats.steps += 1
-        self.stats.drafted_requests += len(rows)
-        self.stats.draft_tokens += sum(budgets)
         return drafts
 
     def _read_layer_kv(
@@ -244,6 +250,12 @@ class MoAVllmProposer:
     def _gather(self, attn: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         backend = attn.attn_backend.get_name()
         cache = attn.kv_cache
+        assert self.target is not None
+        if cache.shape[-1] != 2 * self.target.shape.head_dim:
+            raise ValueError(
+                f"{backend} KV cache rows are {cache.shape[-1]} wide, not 2 x head_dim "
+                f"({self.target.shape.head_dim}): padded head sizes are not supported"
+            )
         layout = None
         if backend == "CPU_ATTN":
             _, heads, block_size, width = cache.shape
@@ -267,6 +279,7 @@ class MoAVllmProposer:
             runner, [runner.requests[req_ids[i]].block_ids for i in todo], [spans[i] for i in todo]
         )
         memory = drafter.encode_memory(layer_kv.to(self._dtype))  # [N, E]
+        tail = self._tail_rows(layer_kv)
         positions = torch.cat([torch.arange(*spans[i]) for i in todo]).to(self.device)
         k, v = drafter.memory_kv(memory[None], positions)  # [1, Hkv, N, D]
         offset = 0
@@ -276,8 +289,15 @@ class MoAVllmProposer:
             state.mem_k = _cat(state.mem_k, k[:, :, offset : offset + n])
             state.mem_v = _cat(state.mem_v, v[:, :, offset : offset + n])
             state.mem_tokens.extend(tokens[i][spans[i][0] : spans[i][1]])
+            for j, (tk, tv) in enumerate(tail):
+                rows_k, rows_v = tk[:, :, offset : offset + n], tv[:, :, offset : offset + n]
+                if j < len(state.tail_k):
+                    state.tail_k[j] = torch.cat([state.tail_k[j], rows_k], dim=2)
+                    state.tail_v[j] = torch.cat([state.tail_v[j], rows_v], dim=2)
+                else:
+                    state.tail_k.append(rows_k)
+                    state.tail_v.append(rows_v)
             offset += n
-        self.stats.memory_rows += offset
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -297,68 +317,78 @@ class MoAVllmProposer:
             state.sa_k = state.sa_k[:, :, :keep]
             state.sa_v = state.sa_v[:, :, :keep]
 
+    def _tail_rows(self, layer_kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """TLI: the tail layers' K, V [1, Hkv, N, D] out of the rows just read for the memory."""
+        assert self.drafter is not None and self.target is not None
+        shape = self.target.shape
+        out = []
+        for layer in range(shape.num_layers - self.drafter.config.tli, shape.num_layers):
+            kv = layer_kv[:, layer].unflatten(-1, (shape.num_kv_heads, 2, shape.head_dim))
+            out.append((kv[:, :, 0].transpose(0, 1)[None], kv[:, :, 1].transpose(0, 1)[None]))
+        return out
+
     def _draft(
-        self,
-        states: list[RequestState],
-        block_ids: list[tuple[list[int], ...]],
-        runner: Any,
-        tokens: list[list[int]],
-        steps: int,
+        self, states: list[RequestState], tokens: list[list[int]], steps: int
     ) -> list[list[int]]:
+        """`steps` greedy drafts per request; one host sync, at the end."""
         drafter, target = self.drafter, self.target
         assert drafter is not None and target is not None
-        for state, toks in zip(states, tokens, strict=True):
-            self._sync_sa(state, toks)
-        seqs = [list(t) for t in tokens]  # grows with the drafts
-        p = torch.tensor([len(t) - 1 for t in tokens], device=self.device)  # verified lengths
-        tail = self._tail_prefix(runner, states, block_ids, [len(t) - 1 for t in tokens])
+        sa = drafter.self_attention
+        # Step 0 feeds each request's pending tokens (after its cached SA prefix) to SA.
+        pending_ids: list[int] = []
+        pending_pos: list[int] = []
+        last_rows: list[int] = []
+        for state, seq in zip(states, tokens, strict=True):
+            self._sync_sa(state, seq)
+            first = len(state.sa_tokens)
+            pending_ids.extend(seq[first:])
+            pending_pos.extend(range(first, len(seq)))
+            last_rows.append(len(pending_ids) - 1)
+        emb = target.embed(torch.tensor(pending_ids, device=self.device)).to(self._dtype)
+        k, v = sa.kv_from(emb[None], torch.tensor(pending_pos, device=self.device))
+        offset = 0
+        for state, seq in zip(states, tokens, strict=True):
+            n = len(seq) - len(state.sa_tokens)
+            state.sa_k = _cat(state.sa_k, k[:, :, offset : offset + n])
+            state.sa_v = _cat(state.sa_v, v[:, :, offset : offset + n])
+            state.sa_tokens.extend(seq[len(state.sa_tokens) :])
+            offset += n
+        query = emb[torch.tensor(last_rows, device=self.device)][:, None]  # [B, 1, E]
+        sa_kv = PaddedKV.of(
+            [s.sa_k for s in states],  # type: ignore[misc]
+            [s.sa_v for s in states],  # type: ignore[misc]
+            extra=steps - 1,
+        )
         # A one-token prompt has no verified token yet: an empty memory (its CA output is zero).
         ca = drafter.cross_attention.self_attn
         empty = torch.zeros(
             1, ca.num_kv_heads, 0, ca.head_dim, dtype=self._dtype, device=self.device
         )
-        mem_k, mem_mask = _pad_rows([empty if s.mem_k is None else s.mem_k for s in states])
-        mem_v, _ = _pad_rows([empty if s.mem_v is None else s.mem_v for s in states])
-        chains: list[list[int]] = [[] for _ in states]
-        sa = drafter.self_attention
+        memory = PaddedKV.of(
+            [empty if s.mem_k is None else s.mem_k for s in states],
+            [empty if s.mem_v is None else s.mem_v for s in states],
+        )
+        tail = self._tail_batch(states, steps)
+        positions = torch.tensor([len(t) - 1 for t in tokens], device=self.device)[:, None]
+        drafted: list[torch.Tensor] = []
         for step in range(steps):
-            # SA K/V of each request's pending tokens (all but the first step: the last draft).
-            pending_ids: list[int] = []
-            pending_pos: list[int] = []
-            counts: list[int] = []
-            for state, seq in zip(states, seqs, strict=True):
-                first = len(state.sa_tokens)
-                pending_ids.extend(seq[first:])
-                pending_pos.extend(range(first, len(seq)))
-                counts.append(len(seq) - first)
-            ids = torch.tensor(pending_ids, device=self.device)
-            emb = target.embed(ids).to(self._dtype)  # [N, E]
-            k, v = sa.kv_from(emb[None], torch.tensor(pending_pos, device=self.device))
-            offset = 0
-            last_rows = []
-            for state, seq, n in zip(states, seqs, counts, strict=True):
-                state.sa_k = _cat(state.sa_k, k[:, :, offset : offset + n])
-                state.sa_v = _cat(state.sa_v, v[:, :, offset : offset + n])
-                state.sa_tokens.extend(seq[len(state.sa_tokens) :])
-                offset += n
-                last_rows.append(offset - 1)
-            query = emb[torch.tensor(last_rows, device=self.device)][:, None]  # [B, 1, E]
-            positions = (p + step)[:, None]  # [B, 1]
-            sa_k, sa_mask = _pad_rows([s.sa_k for s in states])  # type: ignore[misc]
-            sa_v, _ = _pad_rows([s.sa_v for s in states])  # type: ignore[misc]
-            h = sa(query, positions, sa_k, sa_v, sa_mask[:, None, None, :])
+            if step:  # the previous draft is the next query, and its SA K/V joins the cache
+                query = target.embed(drafted[-1]).to(self._dtype)[:, None]
+                k, v = sa.kv_from(query, positions)
+                sa_kv.append(k[:, :, 0], v[:, :, 0])
+            h = sa(query, positions, sa_kv.k, sa_kv.v, sa_kv.mask)
             # Every memory row (< p <= position) is visible to a drafted position.
-            h = drafter.cross_attention(h, positions, mem_k, mem_v, mem_mask[:, None, None, :])
-            h = h[:, 0]  # [B, E]
+            h = drafter.cross_attention(h, positions, memory.k, memory.v, memory.mask)[:, 0]
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
-            if tail is not None:
+            if tail:
                 h = self._run_tail(tail, h, positions[:, 0])
-            logits = target.logits(h.to(self._target_dtype))
-            best = logits.argmax(dim=-1).tolist()
-            for chain, seq, token in zip(chains, seqs, best, strict=True):
-                chain.append(int(token))
-                seq.append(int(token))
+            drafted.append(target.logits(h.to(self._target_dtype)).argmax(dim=-1))
+            positions = positions + 1
+        chains: list[list[int]] = torch.stack(drafted, dim=1).tolist()
+        for i, (state, chain) in enumerate(zip(states, chains, strict=True)):
+            state.sa_k, state.sa_v = sa_kv.row(i)
+            state.sa_tokens.extend(chain[: steps - 1])  # the last draft was never fed to SA
         return chains
 
     @property
@@ -367,71 +397,32 @@ class MoAVllmProposer:
 
     # -- TLI ---------------------------------------------------------------------------------------
 
-    def _tail_prefix(
-        self,
-        runner: Any,
-        states: list[RequestState],
-        block_ids: list[tuple[list[int], ...]],
-        verified: list[int],
-    ) -> list[list[torch.Tensor]] | None:
-        """For TLI: per tail layer, [k, v] padded [B, Hkv, S, D] of the verified prefix, + mask.
-        Each request's prefix is kept in its state and only the new positions are read."""
+    def _tail_batch(self, states: list[RequestState], steps: int) -> list[PaddedKV]:
+        """Per tail layer, the verified prefix's K/V batched, with room for the drafted ones."""
         assert self.drafter is not None and self.target is not None
-        tli = self.drafter.config.tli
-        if not tli:
-            return None
-        layout = self._layer_layout(runner)
-        total = self.target.shape.num_layers
-        for state, ids, n in zip(states, block_ids, verified, strict=True):
-            start = state.tail_k[0].shape[2] if state.tail_k else 0
-            if n <= start:
-                continue
-            for j, index in enumerate(range(total - tli, total)):
-                attn = self.target.attn_layers[index]
-                group, block_size = layout[index]
-                slots = slots_for_positions(ids[group], block_size, start, n, self.device)
-                k, v = self._gather(attn, slots)
-                k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, Hkv, new, D]
-                if j < len(state.tail_k):
-                    state.tail_k[j] = torch.cat([state.tail_k[j], k], dim=2)
-                    state.tail_v[j] = torch.cat([state.tail_v[j], v], dim=2)
-                else:
-                    state.tail_k.append(k)
-                    state.tail_v.append(v)
         shape = self.target.shape
         empty = torch.zeros(
             1, shape.num_kv_heads, 0, shape.head_dim, dtype=self._target_dtype, device=self.device
         )
-        out = []
-        for j in range(tli):
-            k_pad, mask = _pad_rows([s.tail_k[j] if s.tail_k else empty for s in states])
-            v_pad, _ = _pad_rows([s.tail_v[j] if s.tail_v else empty for s in states])
-            out.append([k_pad, v_pad, mask])
-        return out
+        return [
+            PaddedKV.of(
+                [s.tail_k[j] if s.tail_k else empty for s in states],
+                [s.tail_v[j] if s.tail_v else empty for s in states],
+                extra=steps,
+            )
+            for j in range(self.drafter.config.tli)
+        ]
 
     def _run_tail(
-        self, tail: list[list[torch.Tensor]], hidden: torch.Tensor, positions: torch.Tensor
+        self, tail: list[PaddedKV], hidden: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:
         """Run the target's last layers on drafted hidden [B, E] at positions [B]; their K/V
         are appended to `tail` (this cycle only) so later drafted positions see them."""
-        assert self.target is not None and self.drafter is not None
+        assert self.target is not None
         total = self.target.shape.num_layers
         h = hidden.to(self._target_dtype)
-        batch = torch.arange(h.shape[0], device=h.device)
-        for j, index in enumerate(range(total - len(tail), total)):
+        for kv, index in zip(tail, range(total - len(tail), total), strict=True):
             q, k, v = self.target.tail_qkv(index, h, positions)  # [B, H, D], [B, Hkv, D]
-            k_all, v_all, mask = tail[j]
-            # Append this position's K/V in each row's first free column.
-            lengths = mask.sum(dim=1)
-            width = k_all.shape[2]
-            if int(lengths.max()) >= width:
-                grow = k_all.new_zeros(*k_all.shape[:2], 1, k_all.shape[3])
-                k_all = torch.cat([k_all, grow], dim=2)
-                v_all = torch.cat([v_all, grow], dim=2)
-                mask = torch.cat([mask, mask.new_zeros(mask.shape[0], 1)], dim=1)
-            k_all[batch, :, lengths] = k.to(k_all.dtype)
-            v_all[batch, :, lengths] = v.to(v_all.dtype)
-            mask[batch, lengths] = True
-            tail[j] = [k_all, v_all, mask]
-            h = self.target.tail_finish(index, h, q, k_all, v_all, mask)
+            kv.append(k, v)
+            h = self.target.tail_finish(index, h, q, kv.k, kv.v, kv.mask)
         return self.target.final_norm(h)

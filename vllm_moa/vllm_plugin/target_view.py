@@ -6,7 +6,6 @@ Nothing is copied: the embedding table, LM head and tail layers are the target's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,14 +13,6 @@ from torch import nn
 
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.layers import masked_attention
-
-
-@dataclass(frozen=True)
-class TailKV:
-    """K/V of one tail layer for one request: verified prefix + this cycle's drafted positions."""
-
-    k: torch.Tensor  # [1, Hkv, S, D]
-    v: torch.Tensor  # [1, Hkv, S, D]
 
 
 class VllmTargetView:
@@ -106,10 +97,10 @@ class VllmTargetView:
         q: torch.Tensor,  # [B, H, D]
         k: torch.Tensor,  # [B, Hkv, S, D] padded keys per row
         v: torch.Tensor,
-        mask: torch.Tensor,  # bool [B, S]
+        mask: torch.Tensor,  # bool [B, 1, 1, S]
     ) -> torch.Tensor:
         layer = self.layers[index]
-        out = masked_attention(q[:, :, None], k, v, mask[:, None, None, :])  # [B, H, 1, D]
+        out = masked_attention(q[:, :, None], k, v, mask)  # [B, H, 1, D]
         out = out[:, :, 0].flatten(1).to(hidden.dtype)
         h = hidden + layer.self_attn.o_proj(out)[0]
         return h + layer.mlp(layer.post_attention_layernorm(h))
