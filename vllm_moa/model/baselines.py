@@ -1,8 +1,10 @@
 """Baseline drafters trained in the same framework as MoA (MOA_SPEC "Baselines").
 
 EAGLE: at position i the input is [token_embed(x_{i+1}) | f_i] (f = the target's final,
-normalised hidden state), projected by `fc` (2E -> E) and passed through one causal decoder
-layer; the output predicts f_{i+1}, read by the target's LM head. 1-step bounded, TLI = 0.
+normalised hidden state), projected by `fc` (2E -> E, no bias) and passed through one causal
+decoder layer without input norm (EAGLE-1's layout, the one vLLM's `EagleLlamaForCausalLM`
+loads: `vllm-moa export-eagle`); the output predicts f_{i+1}, read by the target's LM head
+without a final norm. 1-step bounded, TLI = 0.
 Independent: a small causal LM over the target's token embeddings with a final norm, read by the
 target's LM head; it never sees target activations.
 """
@@ -66,9 +68,15 @@ class EagleDrafter(nn.Module):
         super().__init__()
         self.config = config
         c, e = config, config.target_hidden_size
-        self.fc = nn.Linear(2 * e, e, bias=True)
+        self.fc = nn.Linear(2 * e, e, bias=False)
         self.layer = DecoderBlock(
-            e, c.num_heads, c.num_kv_heads, c.intermediate_size, c.rope_theta, c.rms_norm_eps
+            e,
+            c.num_heads,
+            c.num_kv_heads,
+            c.intermediate_size,
+            c.rope_theta,
+            c.rms_norm_eps,
+            input_norm=False,
         )
 
     def init_weights(self, seed: int, std: float = 0.02) -> None:

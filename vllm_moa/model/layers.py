@@ -134,9 +134,11 @@ class DecoderBlock(nn.Module):
         intermediate: int,
         rope_theta: float,
         eps: float,
+        input_norm: bool = True,
     ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(width, eps)
+        # EAGLE's layer has no input norm: its input is already an fc projection.
+        self.input_layernorm: nn.Module = RMSNorm(width, eps) if input_norm else nn.Identity()
         self.self_attn = Attention(width, num_heads, num_kv_heads, rope_theta)
         self.post_attention_layernorm = RMSNorm(width, eps)
         self.mlp = SwiGLU(width, intermediate)
