@@ -73,12 +73,38 @@ def moa_pair() -> dict[str, Path]:
     return build_pair(default_cache_dir() / PAIR_VERSION)
 
 
-def make_llm(target: Path, drafter: Path | None = None, k: int = 4, **kwargs):
+@pytest.fixture(scope="session")
+def eagle_drafter(moa_pair) -> Path:
+    """An EAGLE drafter trained briefly against the test target (our format), cached beside it."""
+    from vllm_moa.tiny import stdlib_sources
+    from vllm_moa.training import TrainConfig, Trainer
+
+    run = moa_pair["target"].parent / "eagle"
+    if not (run / ".complete").exists():
+        Trainer(
+            TrainConfig(
+                target=str(moa_pair["target"]),
+                data=tuple(map(str, stdlib_sources(400_000))),
+                out=str(run),
+                max_steps=60,
+                method="eagle",
+                lr=2e-3,
+                batch_size=8,
+                max_length=96,
+                warmup_steps=3,
+                eval_examples=0,
+            )
+        ).train()
+        (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+    return run / "drafter"
+
+
+def make_llm(target: Path, drafter: Path | None = None, k: int = 4, method: str = "moa", **kwargs):
     from vllm import LLM
 
     spec = None
     if drafter is not None:
-        spec = {"method": "moa", "model": str(drafter), "num_speculative_tokens": k}
+        spec = {"method": method, "model": str(drafter), "num_speculative_tokens": k}
     return LLM(
         model=str(target),
         dtype="float32",

@@ -181,6 +181,16 @@ def convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def export_eagle(args: argparse.Namespace) -> int:
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+
+    out = export_vllm_eagle(args.drafter, args.target, args.out)
+    spec = json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": 4})
+    print(f"vLLM EAGLE checkpoint written to {out}")
+    print(f"serve it with: vllm serve {args.target} --speculative-config '{spec}'")
+    return 0
+
+
 def train(args: argparse.Namespace) -> int:
     from vllm_moa.training import TrainConfig, Trainer
 

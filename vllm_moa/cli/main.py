@@ -120,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.set_defaults(func=commands.train)
 
+    p = sub.add_parser(
+        "export-eagle", help="write an EAGLE drafter in vLLM's EAGLE format (method: eagle)"
+    )
+    p.add_argument("--drafter", required=True, help="EAGLE drafter (or its `train --out` dir)")
+    p.add_argument("--target", required=True, help="the target it was trained for")
+    p.add_argument("--out", required=True, help="output directory for vLLM")
+    p.set_defaults(func=commands.export_eagle)
+
     p = sub.add_parser("demo", help="build the tiny default target + drafter and generate")
     p.add_argument(
         "--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa"

@@ -1,0 +1,45 @@
+"""Our EAGLE baseline, exported to vLLM's EAGLE format, served by vLLM's own `eagle` method:
+the same outputs and the same accepted tokens per draft position as our standalone engine.
+This is what makes benchmarks/throughput.py's MoA-vs-vLLM-EAGLE comparison fair."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.vllm_integration.conftest import make_llm, spec_metrics
+from tests.vllm_integration.test_vllm_offline import PROMPTS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_exported_eagle_in_vllm_equals_standalone(moa_pair, eagle_drafter, tmp_path):
+    from vllm import SamplingParams
+
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+    from vllm_moa.decoding import SpeculativeEngine, make_proposer
+    from vllm_moa.target.adapter import HFTarget
+
+    k, max_tokens = 4, 32
+    exported = export_vllm_eagle(eagle_drafter, moa_pair["target"], tmp_path / "vllm_eagle")
+    llm = make_llm(moa_pair["target"], exported, k=k, method="eagle")
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params)
+    per_position = spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens_per_pos"]
+
+    target = HFTarget.from_pretrained(moa_pair["target"], dtype=torch.float32)
+    drafter = load_drafter(eagle_drafter, target=target.shape, dtype=torch.float32)
+    engine = SpeculativeEngine(target, make_proposer(drafter, target))
+    expected = [0] * k
+    for ids, out in zip(prompt_ids, outs, strict=True):
+        result = engine.generate(ids, max_tokens, num_speculative_tokens=k)
+        assert list(out.outputs[0].token_ids) == result.token_ids
+        mine = result.stats.accepted_per_position
+        expected = [a + b for a, b in zip(expected, mine, strict=True)]
+    # vLLM drafts K tokens even in the last steps (its draft count differs at the ends), but
+    # every accepted token must be the one our engine accepted, position by position.
+    assert sum(expected) > 0, "the test drafter never lands a draft: nothing is compared"
+    assert list(per_position) == expected

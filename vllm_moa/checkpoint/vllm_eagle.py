@@ -1,0 +1,79 @@
+"""Export an EAGLE drafter of ours to vLLM's EAGLE-1 checkpoint format.
+
+vLLM (`--speculative-config '{"method": "eagle", "model": DIR}'`) loads a Llama-style config
+with one decoder layer (`EagleLlamaForCausalLM`: `fc` over [embedding | target hidden state], no
+bias; layer 0 without input norm; output read by the LM head without a final norm) and weights
+named `fc.weight`, `layers.0.self_attn.q_proj.weight`, ... Embeddings and LM head are left out,
+so vLLM shares the target's, as our EAGLE baseline does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from vllm_moa.checkpoint.io import CONFIG_NAME, WEIGHTS_NAME, load_config, load_drafter
+from vllm_moa.model.baselines import EagleConfig, EagleDrafter
+from vllm_moa.model.config import read_config_json
+from vllm_moa.target import load_target_info
+
+
+def _vllm_config(config: EagleConfig, target: dict[str, object], dtype: str) -> dict[str, object]:
+    head_dim = config.target_hidden_size // config.num_heads
+    return {
+        "architectures": ["LlamaForCausalLM"],  # vLLM's EAGLEConfig prefixes "Eagle"
+        "model_type": "llama",
+        "hidden_size": config.target_hidden_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": config.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta,
+        "vocab_size": config.vocab_size,
+        "max_position_embeddings": target.get("max_position_embeddings", 4096),
+        "bos_token_id": target.get("bos_token_id"),
+        "eos_token_id": target.get("eos_token_id"),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+    }
+
+
+def export_vllm_eagle(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write `out_dir` (config.json + model.safetensors) that vLLM's `eagle` method loads."""
+    drafter_dir, out = Path(drafter_dir), Path(out_dir)
+    if not (drafter_dir / CONFIG_NAME).is_file() and (drafter_dir / "drafter").is_dir():
+        drafter_dir = drafter_dir / "drafter"  # a `vllm-moa train --out` directory
+    config = load_config(drafter_dir)
+    if not isinstance(config, EagleConfig):
+        raise ValueError(
+            f"{drafter_dir} holds a {config.MODEL_TYPE} drafter; only EAGLE drafters "
+            "(`vllm-moa train --method eagle`) have a vLLM EAGLE format. MoA drafters are served "
+            'as they are: --speculative-config \'{"method": "moa", ...}\''
+        )
+    target = read_config_json(Path(target_dir) / CONFIG_NAME)
+    config.check_target(load_target_info(target_dir).shape)
+    drafter = load_drafter(drafter_dir)
+    assert isinstance(drafter, EagleDrafter)
+    # Ours: fc.weight, layer.<llama names>; vLLM's: fc.weight, layers.0.<llama names>.
+    tensors = {
+        (name if name.startswith("fc.") else "layers.0." + name.removeprefix("layer.")): t
+        for name, t in drafter.state_dict().items()
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = str(drafter.fc.weight.dtype).removeprefix("torch.")
+    config_json = _vllm_config(config, target, dtype)
+    (out / CONFIG_NAME).write_text(json.dumps(config_json, indent=2) + "\n")
+    save_file(
+        {k: v.detach().contiguous() for k, v in tensors.items()},
+        str(out / WEIGHTS_NAME),
+        metadata={"format": "pt"},
+    )
+    return out
