@@ -1,14 +1,18 @@
-"""vLLM serving throughput: plain decoding vs MoA speculative decoding, across batch sizes.
+"""vLLM serving throughput: plain decoding vs MoA (and vLLM's own EAGLE) across batch sizes.
 
     python -m benchmarks.throughput --target DIR --drafter DIR --prompts HumanEval.jsonl.gz \
-        --out benchmarks/results/throughput_cpu.json
+        [--eagle EAGLE_DIR] --out benchmarks/results/throughput_cpu.json
 
-One in-process vLLM engine per method (plain, MoA with each K), all alive at once. For each
+`--eagle` takes an EAGLE drafter from our pipeline (`vllm-moa train --method eagle`; exported
+to vLLM's EAGLE format on the fly) or an already exported one, served by vLLM's built-in `eagle`
+method on the same target. One in-process vLLM engine per method (plain, then MoA and EAGLE
+with each K), all alive at once. For each
 batch size b, rounds of b requests submitted together (closed loop), greedy, `--max-tokens` new
 tokens each (ignore_eos: every method generates the same tokens), rounds alternating between
 the engines so drift in machine speed hits all alike. Reported per (method, b): median output
 tokens/s over rounds, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts,
-per-position rates) from vLLM's own spec-decode counters; speedup = ratio of medians.
+per-position rates) from vLLM's own spec-decode counters (process-wide, so read around each
+round of each engine); speedup = ratio of medians.
 Writes a JSON (config, git SHA, machine, figures) and a PNG beside it.
 """
 
@@ -18,20 +22,14 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-
-
-def _spec_counters(llm: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for m in llm.get_metrics():
-        if m.name.startswith("vllm:spec_decode"):
-            out[m.name] = getattr(m, "values", None) or getattr(m, "value", 0)
-    return out
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -40,13 +38,55 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[index]
 
 
-def make_engine(target: str, drafter: str | None, k: int, max_batch: int, dtype: str) -> Any:
-    from vllm import LLM
+@dataclass
+class SpecCounts:
+    """Spec-decode counts of one engine since it started."""
 
-    spec = None
-    if drafter:
-        spec = {"method": "moa", "model": drafter, "num_speculative_tokens": k}
-    return LLM(
+    drafts: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, drafts: int, accepted: int, per_pos: list[int]) -> None:
+        self.drafts += drafts
+        self.accepted += accepted
+        if not self.accepted_per_pos:
+            self.accepted_per_pos = [0] * len(per_pos)
+        self.accepted_per_pos = [a + b for a, b in zip(self.accepted_per_pos, per_pos, strict=True)]
+
+    def since(self, before: SpecCounts) -> SpecCounts:
+        per = before.accepted_per_pos or [0] * len(self.accepted_per_pos)
+        return SpecCounts(
+            self.drafts - before.drafts,
+            self.accepted - before.accepted,
+            [a - b for a, b in zip(self.accepted_per_pos, per, strict=True)],
+        )
+
+
+def make_engine(
+    target: str, spec: dict[str, Any] | None, max_batch: int, dtype: str
+) -> tuple[Any, SpecCounts]:
+    """An in-process engine, and its spec-decode counts read through vLLM's custom stat-logger
+    interface (`stat_loggers=`): vLLM's Prometheus counters cannot tell engines apart (each new
+    engine in the process unregisters the previous engines' collectors)."""
+    from vllm import EngineArgs, LLMEngine
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    counts = SpecCounts()
+
+    class Recorder(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, *args: Any, **kwargs: Any) -> None:
+            stats = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if stats is not None:
+                per_pos = list(stats.num_accepted_tokens_per_pos)
+                counts.add(stats.num_drafts, stats.num_accepted_tokens, per_pos)
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    args = EngineArgs(
         model=target,
         dtype=dtype,
         enforce_eager=True,
@@ -55,13 +95,13 @@ def make_engine(target: str, drafter: str | None, k: int, max_batch: int, dtype:
         seed=0,
         max_num_seqs=max_batch,
     )
+    return LLMEngine.from_engine_args(args, stat_loggers=[Recorder]), counts
 
 
 def run_round(
-    llm: Any, prompts: list[str], params: Any, tag: str
+    engine: Any, prompts: list[str], params: Any, tag: str
 ) -> tuple[float, int, list[float]]:
     """Submit all prompts at once, step until done: (elapsed s, output tokens, latencies)."""
-    engine = llm.llm_engine
     submitted: dict[str, float] = {}
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
@@ -79,7 +119,7 @@ def run_round(
 
 
 def run(
-    engines: dict[str, Any],
+    engines: dict[str, tuple[Any, SpecCounts]],
     prompts: list[str],
     batch_sizes: list[int],
     rounds: int,
@@ -90,24 +130,24 @@ def run(
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    for llm in engines.values():  # warm-up
-        run_round(llm, prompts[: batch_sizes[0]], params, "warmup")
+    for engine, _ in engines.values():  # warm-up
+        run_round(engine, prompts[: batch_sizes[0]], params, "warmup")
     rows = []
     next_prompt = 0
     for b in batch_sizes:
         per: dict[str, dict[str, list[Any]]] = {
             m: {"tps": [], "lat": [], "tokens": []} for m in engines
         }
-        before = {m: _spec_counters(llm) for m, llm in engines.items()}
+        before = {m: replace(counts) for m, (_, counts) in engines.items()}
         for r in range(rounds):
             batch = [prompts[(next_prompt + i) % len(prompts)] for i in range(b)]
             next_prompt += b
-            for m, llm in engines.items():
-                elapsed, tokens, lat = run_round(llm, batch, params, f"{m}-b{b}-r{r}")
+            for m, (engine, _) in engines.items():
+                elapsed, tokens, lat = run_round(engine, batch, params, f"{m}-b{b}-r{r}")
                 per[m]["tps"].append(tokens / elapsed)
                 per[m]["lat"].extend(lat)
                 per[m]["tokens"].append(tokens)
-        for m, llm in engines.items():
+        for m, (_, counts) in engines.items():
             row: dict[str, Any] = {
                 "method": m,
                 "batch_size": b,
@@ -119,22 +159,12 @@ def run(
                 "latency_p50_s": statistics.median(per[m]["lat"]),
                 "latency_p99_s": _percentile(per[m]["lat"], 0.99),
             }
-            after = _spec_counters(llm)
-            # vLLM's counters live in a process-wide registry: only MoA engines draft.
-            if m != "plain" and "vllm:spec_decode_num_drafts" in after:
-                key = "vllm:spec_decode_num_drafts"
-                drafts = after[key] - before[m].get(key, 0)
-                key = "vllm:spec_decode_num_accepted_tokens"
-                accepted = after[key] - before[m].get(key, 0)
-                key = "vllm:spec_decode_num_accepted_tokens_per_pos"
-                pos_before = before[m].get(key, [0] * len(after[key]))
-                row["num_drafts"] = drafts
-                row["num_accepted_tokens"] = accepted
-                row["tau"] = 1 + accepted / drafts if drafts else None
-                row["acceptance_per_position"] = [
-                    (a - p) / drafts if drafts else None
-                    for a, p in zip(after[key], pos_before, strict=True)
-                ]
+            spec = counts.since(before[m])
+            if spec.drafts:
+                row["num_drafts"] = spec.drafts
+                row["num_accepted_tokens"] = spec.accepted
+                row["tau"] = 1 + spec.accepted / spec.drafts
+                row["acceptance_per_position"] = [a / spec.drafts for a in spec.accepted_per_pos]
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "output_tokens_per_s_rounds"}))
     return rows
@@ -158,11 +188,22 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent requests (batch size)")
     ax.set_ylabel("output tokens/s")
-    ax.set_title("vLLM throughput: plain vs MoA")
+    ax.set_title("vLLM throughput: plain vs speculative methods")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def vllm_eagle_dir(path: str, target: str) -> str:
+    """An EAGLE drafter of ours is exported to vLLM's format (in a temporary directory); an
+    already exported one is used as it is."""
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+
+    config = Path(path) / "config.json"
+    if config.is_file() and json.loads(config.read_text()).get("model_type") == "llama":
+        return path
+    return str(export_vllm_eagle(path, target, tempfile.mkdtemp(prefix="vllm_eagle_")))
 
 
 def main() -> None:
@@ -172,6 +213,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
+    p.add_argument("--eagle", default=None, help="EAGLE drafter (ours or vLLM-format) to add")
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
     p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
     p.add_argument("--k", type=int, nargs="+", default=[4])
@@ -185,9 +227,14 @@ def main() -> None:
 
     prompts = read_prompts(Path(args.prompts), 64)
     top = max(args.batch_sizes)
-    engines = {"plain": make_engine(args.target, None, 0, top, args.dtype)}
+    methods = {"moa": args.drafter}
+    if args.eagle:
+        methods["eagle"] = vllm_eagle_dir(args.eagle, args.target)
+    engines = {"plain": make_engine(args.target, None, top, args.dtype)}
     for k in args.k:
-        engines[f"moa_k{k}"] = make_engine(args.target, args.drafter, k, top, args.dtype)
+        for method, model in methods.items():
+            spec = {"method": method, "model": model, "num_speculative_tokens": k}
+            engines[f"{method}_k{k}"] = make_engine(args.target, spec, top, args.dtype)
     rows = run(engines, prompts, args.batch_sizes, args.rounds, args.max_tokens)
     plain = {r["batch_size"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
     for r in rows:
