@@ -212,7 +212,9 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
-    p.add_argument("--drafter", required=True)
+    p.add_argument(
+        "--drafter", required=True, nargs="+", help="MoA drafter(s); several: one engine each"
+    )
     p.add_argument("--eagle", default=None, help="EAGLE drafter (ours or vLLM-format) to add")
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
     p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
@@ -227,14 +229,18 @@ def main() -> None:
 
     prompts = read_prompts(Path(args.prompts), 64)
     top = max(args.batch_sizes)
-    methods = {"moa": args.drafter}
+    methods = {"moa": ("moa", args.drafter[0])}
+    if len(args.drafter) > 1:  # label each MoA engine by its drafter directory's name
+        names = [Path(d).name for d in args.drafter]
+        labels = [n if n.startswith("moa") else f"moa_{n}" for n in names]
+        methods = {label: ("moa", d) for label, d in zip(labels, args.drafter, strict=True)}
     if args.eagle:
-        methods["eagle"] = vllm_eagle_dir(args.eagle, args.target)
+        methods["eagle"] = ("eagle", vllm_eagle_dir(args.eagle, args.target))
     engines = {"plain": make_engine(args.target, None, top, args.dtype)}
     for k in args.k:
-        for method, model in methods.items():
+        for label, (method, model) in methods.items():
             spec = {"method": method, "model": model, "num_speculative_tokens": k}
-            engines[f"{method}_k{k}"] = make_engine(args.target, spec, top, args.dtype)
+            engines[f"{label}_k{k}"] = make_engine(args.target, spec, top, args.dtype)
     rows = run(engines, prompts, args.batch_sizes, args.rounds, args.max_tokens)
     plain = {r["batch_size"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
     for r in rows:

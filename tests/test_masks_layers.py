@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from vllm_moa.model.layers import masked_attention
+from vllm_moa.model.layers import masked_attention, reference_attention
 from vllm_moa.model.masks import bounded_memory_limits, causal_mask, memory_mask
 
 T, F = True, False
@@ -62,3 +63,27 @@ def test_masked_attention_empty_rows_are_zero_and_have_finite_grads():
     assert torch.equal(out[0, :, 0], torch.zeros(2, 8))
     out.sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_masked_attention_inference_path_matches_reference(dtype):
+    """Without gradients masked_attention takes PyTorch's fused SDPA; it must agree with the fp32
+    reference, fully masked rows (zeros), per-row masks [B, 1, T, S] and GQA included."""
+    g = torch.Generator().manual_seed(1)
+    for b, h, hkv, t, s, d in [(1, 1, 1, 1, 1, 8), (4, 4, 2, 1, 37, 64), (3, 6, 1, 9, 9, 32)]:
+        q, k, v = (torch.randn(b, n, x, d, generator=g).to(dtype)
+                   for n, x in ((h, t), (hkv, s), (hkv, s)))  # fmt: skip
+        mask = torch.rand(b, 1, t, s, generator=g) < 0.6
+        mask[0, 0, 0] = False  # a row with no visible key
+        ref = reference_attention(q, k, v, mask)
+        with torch.no_grad():
+            fast = masked_attention(q, k, v, mask)
+            unmasked = masked_attention(q, k, v, None)
+        assert torch.equal(fast[0, :, 0], torch.zeros_like(fast[0, :, 0]))
+        # fp32: summation order only. bf16: the reference rounds probabilities to bf16 before
+        # the PV product, SDPA keeps them in fp32: a few bf16 ulps (2^-8 relative) apart.
+        tol = (
+            {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+        )
+        torch.testing.assert_close(fast, ref, **tol)
+        torch.testing.assert_close(unmasked, reference_attention(q, k, v, None), **tol)

@@ -48,12 +48,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def masked_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
-    """Softmax attention in fp32 with grouped KV heads.
+    """Softmax attention with grouped KV heads.
 
     q: [B, H, T, D]; k, v: [B, Hkv, S, D]; mask: bool, broadcastable to [B, H, T, S], True = may
     attend. A query row with no visible key outputs zeros (instead of NaN), so fully masked rows
-    are safe in training too.
+    are safe in training too. With gradients: the fp32 reference below; without (drafting):
+    PyTorch's fused SDPA, which does not copy the grouped K/V per query head (the same result to
+    fp32 rounding; tests compare the two).
     """
+    if not torch.is_grad_enabled():
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        if mask is not None:  # rows with no visible key: SDPA gives NaN there
+            out = out.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
+        return out
+    return reference_attention(q, k, v, mask)
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+) -> torch.Tensor:
+    """masked_attention in fp32, written out (differentiable on fully masked rows)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
