@@ -39,7 +39,7 @@ class MoAProposer:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.drafter.cross_attention.input_layernorm.weight.dtype
+        return self.drafter.cross_attention.dtype
 
     @property
     def verified_len(self) -> int:

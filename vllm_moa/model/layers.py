@@ -159,6 +159,10 @@ class DecoderBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(width, eps)
         self.mlp = SwiGLU(width, intermediate)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.post_attention_layernorm.weight.dtype
+
     def kv_from(
         self, source: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

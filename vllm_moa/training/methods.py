@@ -68,7 +68,7 @@ class MoAMethod:
     ) -> DraftForward:
         target, num_layers = self.target, self.target.shape.num_layers
         hidden = target_out.hidden_states
-        dtype = self.drafter.cross_attention.input_layernorm.weight.dtype
+        dtype = self.drafter.cross_attention.dtype
         embeds = target.embed_tokens(batch.input_ids).to(dtype)
         features = target_out.layer_kv if self.drafter.uses_lsa else hidden[num_layers]
         predicted = self.module(embeds, features.to(dtype), memory_limit, sa_from)

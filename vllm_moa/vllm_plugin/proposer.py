@@ -302,7 +302,7 @@ class MoAVllmProposer:
     @property
     def _dtype(self) -> torch.dtype:
         assert self.drafter is not None
-        return self.drafter.cross_attention.input_layernorm.weight.dtype
+        return self.drafter.cross_attention.dtype
 
     def _sync_sa(self, state: RequestState, tokens: list[int]) -> None:
         """Keep the SA K/V of the longest prefix whose tokens are unchanged (never the last
