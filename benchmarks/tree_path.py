@@ -6,7 +6,8 @@
 For each cycle the MoA drafter builds an EAGLE-2 tree (depth K, breadth W, every expanded node
 kept) and submits one root-to-node path as the chain: the one with the largest expected
 accepted length under the drafter's own probabilities, sum over its nodes of the joint draft
-probability of the path down to that node. W=1 is the greedy chain. Standalone engine, greedy
+probability of the path down to that node (and, as a variant, the best such path through the
+greedy first token). W=1 is the greedy chain. Standalone engine, greedy
 (outputs checked equal to plain decoding), same prompts for every W; tau = 1 + accepted / cycles.
 This measures the idea without wiring it into vLLM: if it does not pay here, it does not there.
 """
@@ -26,14 +27,21 @@ from vllm_moa.decoding.proposer import DraftProposal
 from vllm_moa.decoding.tree import DraftTree
 
 
-def best_path(tree: DraftTree, max_len: int) -> list[int]:
+def best_path(tree: DraftTree, max_len: int, keep_first: bool = False) -> list[int]:
     """Tokens of the path (length <= max_len) maximising the sum of exp(joint log-prob) over
-    its nodes: the drafter's own estimate of the expected accepted length."""
+    its nodes: the drafter's own estimate of the expected accepted length. `keep_first`: only
+    paths through the root's most probable child (the greedy chain's first token)."""
     value: list[float] = []
-    for parent, logp in zip(tree.parents, tree.log_probs, strict=True):
+    top: list[int] = []  # each node's depth-1 ancestor
+    for i, (parent, logp) in enumerate(zip(tree.parents, tree.log_probs, strict=True)):
         value.append((value[parent] if parent >= 0 else 0.0) + math.exp(logp))
+        top.append(i if parent < 0 else top[parent])
     depths = tree.depths()
-    node = max((i for i in range(tree.size) if depths[i] <= max_len), key=value.__getitem__)
+    first = max(tree.children(-1), key=lambda c: tree.log_probs[c])
+    candidates = [
+        i for i in range(tree.size) if depths[i] <= max_len and (not keep_first or top[i] == first)
+    ]
+    node = max(candidates, key=value.__getitem__)
     path = []
     while node >= 0:
         path.append(tree.tokens[node])
@@ -44,8 +52,8 @@ def best_path(tree: DraftTree, max_len: int) -> list[int]:
 class PathProposer:
     """Wraps a MoAProposer: propose() drafts a tree and returns its best path as the chain."""
 
-    def __init__(self, inner: MoAProposer, breadth: int) -> None:
-        self.inner, self.breadth = inner, breadth
+    def __init__(self, inner: MoAProposer, breadth: int, keep_first: bool) -> None:
+        self.inner, self.breadth, self.keep_first = inner, breadth, keep_first
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -55,7 +63,7 @@ class PathProposer:
             return self.inner.propose(last_token, num_tokens, params, gen)
         budget = self.breadth + (num_tokens - 1) * self.breadth**2  # every node drafted
         tree = self.inner.propose_tree(last_token, num_tokens, self.breadth, budget)
-        tokens = best_path(tree, num_tokens)
+        tokens = best_path(tree, num_tokens, self.keep_first)
         logits = torch.zeros(len(tokens), self.inner.target.shape.vocab_size)
         return DraftProposal(tokens=tokens, logits=logits, probs=None)
 
@@ -92,12 +100,14 @@ def main() -> None:
     plain = run_generations(SpeculativeEngine(target), prompts, args.max_tokens, 1, eos)
     drafter = load_drafter(drafter_dir, target.shape)
     rows = []
-    for breadth in args.breadths:
-        proposer = PathProposer(MoAProposer(drafter, target), breadth)
+    runs = [(w, keep) for w in args.breadths for keep in ([False] if w == 1 else [False, True])]
+    for breadth, keep_first in runs:
+        proposer = PathProposer(MoAProposer(drafter, target), breadth, keep_first)
         engine = SpeculativeEngine(target, proposer)  # type: ignore[arg-type]
         r = run_generations(engine, prompts, args.max_tokens, args.k, eos)
         row = {
             "breadth": breadth,
+            "keep_greedy_first": keep_first,
             "k": args.k,
             "tau": r["tau"],
             "acceptance_rate_per_position": r["acceptance_rate_per_position"],

@@ -15,5 +15,6 @@ def test_best_path_maximises_expected_accepted_length():
     )
     assert best_path(tree, 2) == [11, 13]  # the greedy first token (10) is not on it
     assert best_path(tree, 1) == [10]  # one token: the most probable
+    assert best_path(tree, 2, keep_first=True) == [10, 12]
     chain = DraftTree(tokens=[5, 6, 7], parents=[-1, 0, 1], log_probs=[-0.1, -0.5, -2.0])
     assert best_path(chain, 3) == [5, 6, 7]  # breadth 1: the greedy chain itself
