@@ -208,7 +208,7 @@ def vllm_eagle_dir(path: str, target: str) -> str:
 
 def main() -> None:
     from benchmarks.testbed.evaluate import read_prompts
-    from benchmarks.testbed.report import git_sha, machine
+    from benchmarks.testbed.report import save_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
@@ -246,16 +246,7 @@ def main() -> None:
     for r in rows:
         r["speedup_vs_plain"] = r["output_tokens_per_s"] / plain[r["batch_size"]]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "benchmark": "throughput",
-        "config": vars(args),
-        "git_sha": git_sha(),
-        "vllm": vllm.__version__,
-        "machine": machine(),
-        "results": rows,
-    }
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    save_json(out, "throughput", {"config": vars(args), "vllm": vllm.__version__, "results": rows})
     _plot(out.with_suffix(".png"), rows)
     print(f"wrote {out}")
 

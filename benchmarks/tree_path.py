@@ -72,8 +72,9 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.testbed.evaluate import read_prompts, run_generations
-    from benchmarks.testbed.report import git_sha, machine
+    from benchmarks.testbed.report import save_json
     from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.decoding import SpeculativeEngine
     from vllm_moa.target import HFTarget
 
@@ -88,9 +89,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
 
-    drafter_dir = Path(args.drafter)
-    if (drafter_dir / "drafter").is_dir():
-        drafter_dir = drafter_dir / "drafter"
+    drafter_dir = drafter_dir_of(args.drafter)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = HFTarget.from_pretrained(args.target)
     budget = target.max_length - args.max_tokens - 1  # as the testbed does
@@ -116,17 +115,8 @@ def main() -> None:
         }
         rows.append(row)
         print(json.dumps(row))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    report = {
-        "benchmark": "tree_path",
-        "config": vars(args),
-        "git_sha": git_sha(),
-        "machine": machine(),
-        "results": rows,
-    }
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {out}")
+    save_json(Path(args.out), "tree_path", {"config": vars(args), "results": rows})
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -35,12 +35,18 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def save_json(path: Path, benchmark: str, report: dict[str, Any]) -> dict[str, Any]:
+    """Write a benchmark's results JSON with its name, the git SHA and the machine added."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    full = {"benchmark": benchmark, "git_sha": git_sha(), "machine": machine(), **report}
+    path.write_text(json.dumps(full, indent=2) + "\n")
+    return full
+
+
 def write_report(path: Path, report: dict[str, Any], ks: tuple[int, ...]) -> None:
     """Write the run's report JSON (adding machine facts) and the tau bar chart beside it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    report = {"benchmark": "testbed", "machine": machine(), **report}
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    _plot(path.with_suffix(".png"), report["results"], ks)
+    full = save_json(path, "testbed", report)
+    _plot(path.with_suffix(".png"), full["results"], ks)
 
 
 def _plot(path: Path, figures: dict[str, Any], ks: tuple[int, ...]) -> None:

@@ -26,7 +26,6 @@ def build_pair(base: Path) -> dict[str, Path]:
     from vllm_moa.model import MoADrafter, make_config
     from vllm_moa.target import load_target_info
     from vllm_moa.tiny import TinyTargetSpec, build_tiny_target, stdlib_sources
-    from vllm_moa.training import TrainConfig, Trainer
     from vllm_moa.training.pretrain import pretrain_target
 
     paths = {
@@ -48,22 +47,29 @@ def build_pair(base: Path) -> dict[str, Path]:
         drafter = MoADrafter(make_config(info, preset="small", tli=tli))
         drafter.init_weights(seed=tli)
         init = save_drafter(drafter, base / f"init{tli}")
-        Trainer(
-            TrainConfig(
-                target=str(paths["target"]),
-                data=tuple(map(str, corpus)),
-                out=str(base / f"tli{tli}"),
-                max_steps=60,
-                drafter=str(init),
-                lr=2e-3,
-                batch_size=8,
-                max_length=96,
-                warmup_steps=3,
-                eval_examples=0,
-            )
-        ).train()
+        train_briefly(paths["target"], base / f"tli{tli}", corpus, drafter=str(init))
     (base / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     return paths
+
+
+def train_briefly(target: Path, out: Path, corpus: list[Path], **choice: str) -> None:
+    """The test drafters' recipe: 60 steps against `target`; `choice`: drafter= or method=."""
+    from vllm_moa.training import TrainConfig, Trainer
+
+    Trainer(
+        TrainConfig(
+            target=str(target),
+            data=tuple(map(str, corpus)),
+            out=str(out),
+            max_steps=60,
+            lr=2e-3,
+            batch_size=8,
+            max_length=96,
+            warmup_steps=3,
+            eval_examples=0,
+            **choice,  # type: ignore[arg-type]
+        )
+    ).train()
 
 
 @pytest.fixture(scope="session")
@@ -77,24 +83,10 @@ def moa_pair() -> dict[str, Path]:
 def eagle_drafter(moa_pair) -> Path:
     """An EAGLE drafter trained briefly against the test target (our format), cached beside it."""
     from vllm_moa.tiny import stdlib_sources
-    from vllm_moa.training import TrainConfig, Trainer
 
     run = moa_pair["target"].parent / "eagle"
     if not (run / ".complete").exists():
-        Trainer(
-            TrainConfig(
-                target=str(moa_pair["target"]),
-                data=tuple(map(str, stdlib_sources(400_000))),
-                out=str(run),
-                max_steps=60,
-                method="eagle",
-                lr=2e-3,
-                batch_size=8,
-                max_length=96,
-                warmup_steps=3,
-                eval_examples=0,
-            )
-        ).train()
+        train_briefly(moa_pair["target"], run, stdlib_sources(400_000), method="eagle")
         (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     return run / "drafter"
 

@@ -46,6 +46,14 @@ def save_drafter(drafter: nn.Module, out_dir: str | Path) -> Path:
     return out
 
 
+def drafter_dir_of(path: str | Path) -> Path:
+    """`path`, or its drafter/ folder when `path` is a `vllm-moa train --out` directory."""
+    base = Path(path).expanduser()
+    if not (base / CONFIG_NAME).is_file() and (base / "drafter" / CONFIG_NAME).is_file():
+        return base / "drafter"
+    return base
+
+
 def load_config(path: str | Path) -> DrafterConfig:
     """The drafter config in a directory, of the kind its model_type names."""
     path = Path(path)

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from vllm_moa.checkpoint.io import CONFIG_NAME, WEIGHTS_NAME, load_config, load_drafter
+from vllm_moa.checkpoint.io import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    drafter_dir_of,
+    load_config,
+    load_drafter,
+)
 from vllm_moa.model.baselines import EagleConfig, EagleDrafter
 from vllm_moa.model.config import read_config_json
 from vllm_moa.target import load_target_info
@@ -48,9 +54,7 @@ def _vllm_config(config: EagleConfig, target: dict[str, object], dtype: str) -> 
 
 def export_vllm_eagle(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json + model.safetensors) that vLLM's `eagle` method loads."""
-    drafter_dir, out = Path(drafter_dir), Path(out_dir)
-    if not (drafter_dir / CONFIG_NAME).is_file() and (drafter_dir / "drafter").is_dir():
-        drafter_dir = drafter_dir / "drafter"  # a `vllm-moa train --out` directory
+    drafter_dir, out = drafter_dir_of(drafter_dir), Path(out_dir)
     config = load_config(drafter_dir)
     if not isinstance(config, EagleConfig):
         raise ValueError(

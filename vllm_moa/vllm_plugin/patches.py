@@ -57,11 +57,9 @@ def check_vllm_version(version: str | None = None) -> None:
 
 
 def drafter_dir_of(path: str) -> Path:
-    """`path`, or its drafter/ folder when `path` is a `vllm-moa train --out` directory."""
-    base = Path(path).expanduser()
-    if not (base / "config.json").is_file() and (base / "drafter" / "config.json").is_file():
-        return base / "drafter"
-    return base
+    from vllm_moa.checkpoint.io import drafter_dir_of as resolve
+
+    return resolve(path)
 
 
 def moa_drafter_model_type(path: object) -> str | None:
