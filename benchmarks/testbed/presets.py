@@ -86,3 +86,6 @@ PRESETS = {
         corpus_bytes=20_000_000,
     ),
 }
+# The cpu preset with a twice-deeper target: does LSA (reading every layer) gain on EAGLE and the
+# independent drafter when the target's features are less shallow? (issue 3's investigation)
+PRESETS["cpu-deep"] = PRESETS["cpu"].replace(num_layers=8)

@@ -167,17 +167,61 @@ def test_one_token_prompt(moa_pair, tli):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(12))] == expected
 
 
-def test_chunked_prefill_and_preemption_stay_lossless(moa_pair):
+def _reference_chains(target_dir, drafter_dir, contexts, k):
+    """The standalone MoAProposer's greedy chain of `k` drafts after each context (fp32)."""
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.decoding.factory import make_proposer
+    from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.target.adapter import HFTarget
+
+    target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)
+    drafter = load_drafter(drafter_dir, target=target.shape, dtype=torch.float32)
+    proposer = make_proposer(drafter, target)
+    out = {}
+    for context in contexts:
+        target.reset()
+        prefix = list(context[:-1])
+        proposer.start(prefix, target.forward(torch.tensor(prefix), proposer.hidden_layers))
+        out[context] = proposer.propose(context[-1], k, SamplingParams(), None).tokens
+    return out
+
+
+def test_chunked_prefill_and_preemption_stay_lossless(moa_pair, tmp_path, monkeypatch):
     """Long prompts prefilled in chunks of 32 tokens, and a KV cache too small for all requests
-    at once (the scheduler preempts and later recomputes): outputs still equal plain decoding."""
+    at once (the scheduler preempts, frees the blocks, later recomputes into new ones): outputs
+    still equal plain decoding, and every chain drafted equals the standalone proposer's at the
+    same context, so the drafter's paged state was rewritten right after each preemption."""
     long_prompts = [p * 4 for p in PROMPTS[:6]]
     limits = {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 4, "max_model_len": 256}
     plain = make_llm(moa_pair["target"], **limits)
     expected = [o.outputs[0].token_ids for o in plain.generate(long_prompts, _greedy(48))]
     del plain
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("VLLM_MOA_TRACE", str(trace))
     llm = make_llm(moa_pair["target"], moa_pair["tli1"], k=4, **limits)
     got = [o.outputs[0].token_ids for o in llm.generate(long_prompts, _greedy(48))]
     assert got == expected
     assert spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
     preemptions = [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]
     assert preemptions and preemptions[0] > 0, "the setup should force preemption"
+    traced = {}
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        traced[tuple(rec["tokens"])] = rec["drafts"]
+    reference = _reference_chains(moa_pair["target"], moa_pair["tli1"], list(traced), 4)
+    wrong = [c for c, chain in traced.items() if chain != reference[c][: len(chain)]]
+    assert not wrong, f"{len(wrong)} of {len(traced)} chains differ from the standalone proposer"
+
+
+def test_drafter_state_is_in_vllm_kv_budget(moa_pair):
+    """The drafter's pages are vLLM KV-cache layers in the target's group: with the same cache
+    space, fewer blocks fit (3 target layers + 2 page layers for the test pair's drafter)."""
+    plain = make_llm(moa_pair["target"])
+    plain_blocks = plain.llm_engine.vllm_config.cache_config.num_gpu_blocks
+    del plain
+    llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=4)
+    config = llm.llm_engine.vllm_config
+    moa_blocks = config.cache_config.num_gpu_blocks
+    assert moa_blocks == pytest.approx(plain_blocks * 3 / 5, rel=0.02)
+    layers = set(config.compilation_config.static_forward_context)
+    assert {"vllm_moa.pages.0", "vllm_moa.pages.1"} <= layers

@@ -1,21 +1,24 @@
 """The MoA proposer inside vLLM's V1 model runner: chain drafts for every running request at once.
 
-Per request it keeps (keyed by request id, dropped when the request leaves the runner):
-- the CA memory K/V for tokens 0..p-1, where p = tokens whose target K/V is in the paged cache
-  (all but the token just sampled). New rows are read from the target's paged KV cache of every
-  layer (by block table), go through LSA + mean + Ekv2E once, and are appended;
-- the SA K/V of a prefix of the token sequence (SA K/V of a position depends only on its token,
-  so a prefix stays valid as long as its tokens do; rejected drafts are cut off).
+The drafter's state lives in paged KV blocks that vLLM allocates, accounts and frees with the
+target's (`pages.DrafterPages`: extra attention layers in the target's KV-cache group), at each
+verified token position p:
+- the CA memory K|V of token p: the target's K|V of every layer at p, read from its paged cache
+  (by block table), through LSA + mean + Ekv2E once;
+- the SA K|V of token p (it depends on the token and position only).
+After each target step the proposer writes the rows of the newly verified tokens (all tokens with
+target K/V in the cache: all but the one just sampled), then drafts K tokens greedily from the
+last sampled token, exactly as the standalone engine's `MoAProposer` does (a test checks they
+agree token for token): SA over the pages plus this cycle's drafts, CA over the memory pages, TLI
+through the target's own last layers (the verified prefix's K/V read from the target's pages; the
+drafted positions' K/V stay in this cycle's tensors, so the verified cache is only read), the
+target's LM head. Greedy drafts keep vLLM's rejection sampler lossless at any temperature (it
+treats the draft as a point mass).
 
-Each step drafts K tokens greedily from the last sampled token, exactly as the standalone engine's
-`MoAProposer` does (a test checks they agree token for token): SA over the pending tokens, CA
-over the memory, TLI through the target's own last layers (their K/V for drafted positions stay
-in the proposer; the verified cache is only read), the target's LM head. Greedy drafts keep
-vLLM's rejection sampler lossless at any temperature (it treats the draft as a point mass).
-
-Chunked prefill, preemption and recomputation need no special case: the memory is extended
-lazily to whatever the paged cache holds when a request next needs drafts, and a request that
-comes back with fewer verified tokens than its memory starts over.
+Per request the proposer keeps only how many positions it has written and for which block
+allocation: chunked prefill needs nothing special (rows are written up to whatever the target
+cache holds when a request next drafts), and a request resumed after preemption (vLLM hands it
+new blocks) or a reused request id gets its rows rewritten from position 0.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +39,7 @@ from vllm_moa.vllm_plugin.kv_reader import (
     gather_kv,
     slots_for_positions,
 )
+from vllm_moa.vllm_plugin.pages import DrafterPages, slot_grid
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 
 logger = logging.getLogger("vllm_moa")
@@ -46,44 +50,29 @@ TRACE_ENV = "VLLM_MOA_TRACE"
 
 @dataclass
 class RequestState:
-    mem_tokens: list[int] = field(default_factory=list)  # the tokens the memory rows are of
-    mem_k: torch.Tensor | None = None  # [1, Hkv, p, D]
-    mem_v: torch.Tensor | None = None
-    sa_tokens: list[int] = field(default_factory=list)  # tokens with SA K/V cached, from 0
-    sa_k: torch.Tensor | None = None  # [1, Hkv, len(sa_tokens), D]
-    sa_v: torch.Tensor | None = None
-    # TLI: the verified prefix's K/V of each tail layer (same tokens as the memory), [1, Hkv, n, D]
-    tail_k: list[torch.Tensor] = field(default_factory=list)
-    tail_v: list[torch.Tensor] = field(default_factory=list)
+    """What the proposer remembers of a request: how many leading positions have their memory
+    and SA rows written in the drafter's pages, and for which block allocation. vLLM gives a new
+    request (or a request id reused) a new `block_ids` object and replaces it when it resumes a
+    preempted request with new blocks, so identity tells when the pages must be rewritten."""
 
-    @property
-    def memory_len(self) -> int:
-        return 0 if self.mem_k is None else self.mem_k.shape[2]
-
-
-def _cat(a: torch.Tensor | None, b: torch.Tensor) -> torch.Tensor:
-    return b if a is None else torch.cat([a, b], dim=2)
+    block_ids: Any  # the runner's CachedRequestState.block_ids the pages were written for
+    written: int = 0  # positions 0..written-1 (verified tokens) have memory + SA rows
 
 
 @dataclass
 class PaddedKV:
-    """Per-request K/V [1, H, S_i, D] batched as [B, H, S, D] with row lengths, with room to
-    append `extra` positions per row (one per draft step) without re-padding."""
+    """K/V [B, H, S, D] (rows of different lengths, padded; possibly strided views of a gather)
+    with room to append positions per row (one per draft step) without re-padding."""
 
     k: torch.Tensor  # [B, H, S, D]
     v: torch.Tensor
     lengths: torch.Tensor  # long [B]
 
     @classmethod
-    def of(cls, ks: list[torch.Tensor], vs: list[torch.Tensor], extra: int = 0) -> PaddedKV:
-        lengths = [t.shape[2] for t in ks]
-        width = max(1, max(lengths) + extra)  # >= 1: rows with nothing visible attend to zeros
-        k = ks[0].new_zeros(len(ks), ks[0].shape[1], width, ks[0].shape[3])
-        v = torch.zeros_like(k)
-        for i, (ki, vi) in enumerate(zip(ks, vs, strict=True)):
-            k[i, :, : ki.shape[2]] = ki[0]
-            v[i, :, : vi.shape[2]] = vi[0]
-        return cls(k, v, torch.tensor(lengths, device=k.device))
+    def from_rows(cls, rows: torch.Tensor, heads: int, lengths: torch.Tensor) -> PaddedKV:
+        """rows [B, S, 2 * heads * D] as stored in the pages: per position [K | V]."""
+        kv = rows.unflatten(-1, (2, heads, -1))  # [B, S, 2, H, D]
+        return cls(kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), lengths.clone())
 
     @property
     def mask(self) -> torch.Tensor:
@@ -98,9 +87,10 @@ class PaddedKV:
         self.v[rows, :, self.lengths] = v.to(self.v.dtype)
         self.lengths += 1
 
-    def row(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = int(self.lengths[i])
-        return self.k[i : i + 1, :, :n].clone(), self.v[i : i + 1, :, :n].clone()
+
+def kv_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k, v [1, H, N, D] -> page rows [N, 2 * H * D] ([K | V] per position)."""
+    return torch.cat([k[0].transpose(0, 1).flatten(1), v[0].transpose(0, 1).flatten(1)], dim=-1)
 
 
 class MoAVllmProposer:
@@ -124,7 +114,8 @@ class MoAVllmProposer:
         self.drafter: MoADrafter | None = None
         self.target: VllmTargetView | None = None
         self.states: dict[str, RequestState] = {}
-        self._layer_groups: list[tuple[int, int]] | None = None  # per target layer: group, block
+        self.pages: DrafterPages | None = None
+        self._where: dict[str, tuple[int, int]] | None = None  # layer name: group, block size
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
@@ -158,6 +149,15 @@ class MoAVllmProposer:
         self.target = target
         self.drafter = drafter.eval()
         self.device = device
+        sa, ca = drafter.self_attention.self_attn, drafter.cross_attention.self_attn
+        self.pages = DrafterPages(
+            {
+                "memory": 2 * ca.num_kv_heads * ca.head_dim,
+                "sa": 2 * sa.num_kv_heads * sa.head_dim,
+            },
+            like=target.attn_layers[0],
+            vllm_config=self.vllm_config,
+        )
         logger.info(
             "MoA drafter %s loaded: TLI=%d, K=%d, backend %s",
             spec.model,
@@ -166,15 +166,14 @@ class MoAVllmProposer:
             target.attn_layers[0].attn_backend.get_name(),
         )
 
-    def _layer_layout(self, runner: Any) -> list[tuple[int, int]]:
-        if self._layer_groups is None:
-            assert self.target is not None
-            where: dict[str, tuple[int, int]] = {}
+    def _groups(self, runner: Any, names: list[str]) -> list[tuple[int, int]]:
+        """(KV-cache group, scheduler block size) of each named layer."""
+        if self._where is None:
+            self._where = {}
             for g, group in enumerate(runner.kv_cache_config.kv_cache_groups):
                 for name in group.layer_names:
-                    where[name] = (g, int(group.kv_cache_spec.block_size))
-            self._layer_groups = [where[name] for name in self.target.layer_names]
-        return self._layer_groups
+                    self._where[name] = (g, int(group.kv_cache_spec.block_size))
+        return [self._where[name] for name in names]
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -187,13 +186,15 @@ class MoAVllmProposer:
         for gone in set(self.states) - set(runner.requests):
             del self.states[gone]
         drafts: list[list[int]] = [[] for _ in req_ids]
-        if self.drafter is None or self.target is None:
+        if self.drafter is None or self.target is None or self.pages is None:
             return drafts
-        if any(a.kv_cache is None or a.kv_cache.numel() == 0 for a in self.target.attn_layers):
+        if not self.pages.bound or any(
+            a.kv_cache is None or a.kv_cache.numel() == 0 for a in self.target.attn_layers
+        ):
             return drafts  # profiling run: no cache bound yet
         rows: list[int] = []
         budgets: list[int] = []
-        tokens: list[list[int]] = []
+        lengths: list[int] = []
         for row, rid in enumerate(req_ids):
             if row >= len(sampled_token_ids) or not sampled_token_ids[row]:
                 continue  # partial prefill chunk or discarded: nothing to draft from
@@ -201,27 +202,31 @@ class MoAVllmProposer:
             budget = min(self.num_speculative_tokens, self.max_model_len - n)
             if budget <= 0:
                 continue
-            seq = batch.token_ids_cpu[row, :n].tolist()
+            block_ids = runner.requests[rid].block_ids
             state = self.states.get(rid)
-            if (
-                state is None
-                or state.memory_len > n - 1
-                or seq[: state.memory_len] != state.mem_tokens
-            ):  # new, or preempted and recomputed, or a request id reused for another sequence
-                self.states[rid] = RequestState()
+            if state is None or state.block_ids is not block_ids or state.written > n - 1:
+                # new, reused id, or resumed after preemption (new blocks): rewrite the pages
+                state = self.states[rid] = RequestState(block_ids)
             rows.append(row)
             budgets.append(budget)
-            tokens.append(seq)
+            lengths.append(n)
         if not rows:
             return drafts
-        self._extend_memories(runner, [req_ids[r] for r in rows], tokens)
-        chains = self._draft([self.states[req_ids[r]] for r in rows], tokens, max(budgets))
+        states = [self.states[req_ids[r]] for r in rows]
+        # Each request's tokens from its first position without page rows to its last token.
+        pending = [
+            batch.token_ids_cpu[r, s.written : n].tolist()
+            for r, s, n in zip(rows, states, lengths, strict=True)
+        ]
+        last_k, last_v = self._write_pages(runner, states, pending)
+        chains = self._draft(runner, states, pending, last_k, last_v, max(budgets))
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
         trace = os.environ.get(TRACE_ENV)
         if trace:
             with open(trace, "a") as f:
-                for row, toks in zip(rows, tokens, strict=True):
+                for row, n in zip(rows, lengths, strict=True):
+                    toks = batch.token_ids_cpu[row, :n].tolist()
                     f.write(json.dumps({"tokens": toks, "drafts": drafts[row]}) + "\n")
         return drafts
 
@@ -231,21 +236,29 @@ class MoAVllmProposer:
         """Target K|V rows [N, L, 2 * E_kv] (per layer [k_h0|v_h0|...]) for each request's
         position span, concatenated in request order."""
         assert self.target is not None
-        layout = self._layer_layout(runner)
         slots_by_group: dict[tuple[int, int], torch.Tensor] = {}
         per_layer = []
+        layout = self._groups(runner, self.target.layer_names)
         for attn, key in zip(self.target.attn_layers, layout, strict=True):
             if key not in slots_by_group:
-                group, block_size = key
-                slots_by_group[key] = torch.cat(
-                    [
-                        slots_for_positions(ids[group], block_size, a, b, self.device)
-                        for ids, (a, b) in zip(block_ids, spans, strict=True)
-                    ]
-                )
+                slots_by_group[key] = self._span_slots(key, block_ids, spans)
             k, v = self._gather(attn, slots_by_group[key])
             per_layer.append(torch.stack([k, v], dim=2).flatten(1))  # [N, H*2*D]
         return torch.stack(per_layer, dim=1)
+
+    def _span_slots(
+        self,
+        key: tuple[int, int],
+        block_ids: list[tuple[list[int], ...]],
+        spans: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        group, block_size = key
+        return torch.cat(
+            [
+                slots_for_positions(ids[group], block_size, a, b, self.device)
+                for ids, (a, b) in zip(block_ids, spans, strict=True)
+            ]
+        )
 
     def _gather(self, attn: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         backend = attn.attn_backend.get_name()
@@ -266,110 +279,86 @@ class MoAVllmProposer:
                 self._cpu_layouts[key] = layout
         return gather_kv(cache, slots, backend, layout)
 
-    def _extend_memories(self, runner: Any, req_ids: list[str], tokens: list[list[int]]) -> None:
-        """Memory rows for every token with target K/V not yet in a request's memory."""
-        drafter = self.drafter
-        assert drafter is not None
-        states = [self.states[r] for r in req_ids]
-        spans = [(s.memory_len, len(t) - 1) for s, t in zip(states, tokens, strict=True)]
-        todo = [i for i, (a, b) in enumerate(spans) if b > a]
-        if not todo:
-            return
-        layer_kv = self._read_layer_kv(
-            runner, [runner.requests[req_ids[i]].block_ids for i in todo], [spans[i] for i in todo]
-        )
-        memory = drafter.encode_memory(layer_kv.to(self._dtype))  # [N, E]
-        tail = self._tail_rows(layer_kv)
-        positions = torch.cat([torch.arange(*spans[i]) for i in todo]).to(self.device)
-        k, v = drafter.memory_kv(memory[None], positions)  # [1, Hkv, N, D]
-        offset = 0
-        for i in todo:
-            n = spans[i][1] - spans[i][0]
-            state = states[i]
-            state.mem_k = _cat(state.mem_k, k[:, :, offset : offset + n])
-            state.mem_v = _cat(state.mem_v, v[:, :, offset : offset + n])
-            state.mem_tokens.extend(tokens[i][spans[i][0] : spans[i][1]])
-            for j, (tk, tv) in enumerate(tail):
-                rows_k, rows_v = tk[:, :, offset : offset + n], tv[:, :, offset : offset + n]
-                if j < len(state.tail_k):
-                    state.tail_k[j] = torch.cat([state.tail_k[j], rows_k], dim=2)
-                    state.tail_v[j] = torch.cat([state.tail_v[j], rows_v], dim=2)
-                else:
-                    state.tail_k.append(rows_k)
-                    state.tail_v.append(rows_v)
-            offset += n
-
     @property
     def _dtype(self) -> torch.dtype:
         assert self.drafter is not None
         return self.drafter.cross_attention.dtype
 
-    def _sync_sa(self, state: RequestState, tokens: list[int]) -> None:
-        """Keep the SA K/V of the longest prefix whose tokens are unchanged (never the last
-        token's: it is the first query and is recomputed)."""
-        keep = 0
-        limit = min(len(state.sa_tokens), len(tokens) - 1)
-        while keep < limit and state.sa_tokens[keep] == tokens[keep]:
-            keep += 1
-        if keep < len(state.sa_tokens):
-            del state.sa_tokens[keep:]
-            assert state.sa_k is not None and state.sa_v is not None
-            state.sa_k = state.sa_k[:, :, :keep]
-            state.sa_v = state.sa_v[:, :, :keep]
-
-    def _tail_rows(self, layer_kv: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """TLI: the tail layers' K, V [1, Hkv, N, D] out of the rows just read for the memory."""
-        assert self.drafter is not None and self.target is not None
-        shape = self.target.shape
-        out = []
-        for layer in range(shape.num_layers - self.drafter.config.tli, shape.num_layers):
-            kv = layer_kv[:, layer].unflatten(-1, (shape.num_kv_heads, 2, shape.head_dim))
-            out.append((kv[:, :, 0].transpose(0, 1)[None], kv[:, :, 1].transpose(0, 1)[None]))
-        return out
+    def _write_pages(
+        self, runner: Any, states: list[RequestState], pending: list[list[int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Memory and SA rows for every newly verified token (all pending but the last), written
+        to the pages; returns the SA K/V [B, Hkv, D] of each request's last token (the first
+        query of this draft, not yet verified: kept out of the pages)."""
+        drafter, target, pages = self.drafter, self.target, self.pages
+        assert drafter is not None and target is not None and pages is not None
+        spans = [(s.written, s.written + len(p) - 1) for s, p in zip(states, pending, strict=True)]
+        block_ids = [s.block_ids for s in states]
+        (group_key,) = set(self._groups(runner, pages.layer_names))
+        # SA: K/V of a position depends on its token only; one projection for all pending.
+        ids = torch.tensor([t for p in pending for t in p], device=self.device)
+        positions = torch.cat([torch.arange(a, b + 1) for a, b in spans]).to(self.device)
+        sa_k, sa_v = drafter.self_attention.kv_from(
+            target.embed(ids).to(self._dtype)[None], positions
+        )  # [1, Hkv, P, D]
+        ends = torch.tensor([len(p) for p in pending]).cumsum(0) - 1
+        is_last = torch.zeros(len(ids), dtype=torch.bool)
+        is_last[ends] = True
+        is_last = is_last.to(self.device)
+        todo = [i for i, (a, b) in enumerate(spans) if b > a]
+        if todo:
+            new_spans = [spans[i] for i in todo]
+            new_blocks = [block_ids[i] for i in todo]
+            slots = self._span_slots(group_key, new_blocks, new_spans)
+            pages.write("sa", slots, kv_rows(sa_k[:, :, ~is_last], sa_v[:, :, ~is_last]))
+            layer_kv = self._read_layer_kv(runner, new_blocks, new_spans)
+            memory = drafter.encode_memory(layer_kv.to(self._dtype))  # [N, E]
+            mem_positions = torch.cat([torch.arange(a, b) for a, b in new_spans])
+            k, v = drafter.memory_kv(memory[None], mem_positions.to(self.device))
+            pages.write("memory", slots, kv_rows(k, v))
+            for i in todo:
+                states[i].written = spans[i][1]
+        return sa_k[0, :, is_last].transpose(0, 1), sa_v[0, :, is_last].transpose(0, 1)
 
     def _draft(
-        self, states: list[RequestState], tokens: list[list[int]], steps: int
+        self,
+        runner: Any,
+        states: list[RequestState],
+        pending: list[list[int]],
+        last_k: torch.Tensor,
+        last_v: torch.Tensor,
+        steps: int,
     ) -> list[list[int]]:
         """`steps` greedy drafts per request; one host sync, at the end."""
-        drafter, target = self.drafter, self.target
-        assert drafter is not None and target is not None
+        drafter, target, pages = self.drafter, self.target, self.pages
+        assert drafter is not None and target is not None and pages is not None
         sa = drafter.self_attention
-        # Step 0 feeds each request's pending tokens (after its cached SA prefix) to SA.
-        pending_ids: list[int] = []
-        pending_pos: list[int] = []
-        last_rows: list[int] = []
-        for state, seq in zip(states, tokens, strict=True):
-            self._sync_sa(state, seq)
-            first = len(state.sa_tokens)
-            pending_ids.extend(seq[first:])
-            pending_pos.extend(range(first, len(seq)))
-            last_rows.append(len(pending_ids) - 1)
-        emb = target.embed(torch.tensor(pending_ids, device=self.device)).to(self._dtype)
-        k, v = sa.kv_from(emb[None], torch.tensor(pending_pos, device=self.device))
-        offset = 0
-        for state, seq in zip(states, tokens, strict=True):
-            n = len(seq) - len(state.sa_tokens)
-            state.sa_k = _cat(state.sa_k, k[:, :, offset : offset + n])
-            state.sa_v = _cat(state.sa_v, v[:, :, offset : offset + n])
-            state.sa_tokens.extend(seq[len(state.sa_tokens) :])
-            offset += n
-        query = emb[torch.tensor(last_rows, device=self.device)][:, None]  # [B, 1, E]
-        sa_kv = PaddedKV.of(
-            [s.sa_k for s in states],  # type: ignore[misc]
-            [s.sa_v for s in states],  # type: ignore[misc]
-            extra=steps - 1,
+        verified = torch.tensor([s.written for s in states], device=self.device)
+        width = int(verified.max()) + steps  # room for this cycle's drafted positions
+        grids: dict[tuple[int, int], torch.Tensor] = {}
+
+        def grid(key: tuple[int, int]) -> torch.Tensor:
+            if key not in grids:
+                grids[key] = slot_grid(
+                    [s.block_ids[key[0]] for s in states], key[1], width, self.device
+                )
+            return grids[key]
+
+        (page_key,) = set(self._groups(runner, pages.layer_names))
+        sa_kv = PaddedKV.from_rows(
+            pages.gather("sa", grid(page_key)).to(self._dtype), sa.self_attn.num_kv_heads, verified
         )
+        sa_kv.append(last_k, last_v)  # the last token sees itself
         # A one-token prompt has no verified token yet: an empty memory (its CA output is zero).
-        ca = drafter.cross_attention.self_attn
-        empty = torch.zeros(
-            1, ca.num_kv_heads, 0, ca.head_dim, dtype=self._dtype, device=self.device
+        memory = PaddedKV.from_rows(
+            pages.gather("memory", grid(page_key)).to(self._dtype),
+            drafter.cross_attention.self_attn.num_kv_heads,
+            verified,
         )
-        memory = PaddedKV.of(
-            [empty if s.mem_k is None else s.mem_k for s in states],
-            [empty if s.mem_v is None else s.mem_v for s in states],
-        )
-        tail = self._tail_batch(states, steps)
-        positions = torch.tensor([len(t) - 1 for t in tokens], device=self.device)[:, None]
+        tail = self._tail_batch(runner, grid, verified)
+        query = target.embed(torch.tensor([p[-1] for p in pending], device=self.device))
+        query = query.to(self._dtype)[:, None]  # [B, 1, E]
+        positions = verified[:, None].clone()  # each last token's position
         drafted: list[torch.Tensor] = []
         for step in range(steps):
             if step:  # the previous draft is the next query, and its SA K/V joins the cache
@@ -386,9 +375,6 @@ class MoAVllmProposer:
             drafted.append(target.logits(h.to(self._target_dtype)).argmax(dim=-1))
             positions = positions + 1
         chains: list[list[int]] = torch.stack(drafted, dim=1).tolist()
-        for i, (state, chain) in enumerate(zip(states, chains, strict=True)):
-            state.sa_k, state.sa_v = sa_kv.row(i)
-            state.sa_tokens.extend(chain[: steps - 1])  # the last draft was never fed to SA
         return chains
 
     @property
@@ -397,21 +383,23 @@ class MoAVllmProposer:
 
     # -- TLI ---------------------------------------------------------------------------------------
 
-    def _tail_batch(self, states: list[RequestState], steps: int) -> list[PaddedKV]:
-        """Per tail layer, the verified prefix's K/V batched, with room for the drafted ones."""
+    def _tail_batch(self, runner: Any, grid: Any, verified: torch.Tensor) -> list[PaddedKV]:
+        """Per tail layer, the verified prefix's K/V read from the target's own paged cache,
+        with room for this cycle's drafted positions (which never touch the target's cache)."""
         assert self.drafter is not None and self.target is not None
-        shape = self.target.shape
-        empty = torch.zeros(
-            1, shape.num_kv_heads, 0, shape.head_dim, dtype=self._target_dtype, device=self.device
-        )
-        return [
-            PaddedKV.of(
-                [s.tail_k[j] if s.tail_k else empty for s in states],
-                [s.tail_v[j] if s.tail_v else empty for s in states],
-                extra=steps,
-            )
-            for j in range(self.drafter.config.tli)
-        ]
+        tli = self.drafter.config.tli
+        if not tli:
+            return []
+        attns = self.target.attn_layers[-tli:]
+        keys = self._groups(runner, [a.layer_name for a in attns])
+        out = []
+        for attn, key in zip(attns, keys, strict=True):
+            slots = grid(key)
+            k, v = self._gather(attn, slots.flatten())  # [B*S, Hkv, D]
+            k = k.unflatten(0, slots.shape).transpose(1, 2).to(self._target_dtype)
+            v = v.unflatten(0, slots.shape).transpose(1, 2).to(self._target_dtype)
+            out.append(PaddedKV(k, v, verified.clone()))
+        return out
 
     def _run_tail(
         self, tail: list[PaddedKV], hidden: torch.Tensor, positions: torch.Tensor

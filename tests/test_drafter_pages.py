@@ -1,0 +1,23 @@
+"""Pure parts of the drafter's paged state (no vLLM needed): field planning and slot grids."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moa.vllm_plugin.pages import plan_fields, slot_grid
+
+
+def test_fields_take_whole_layers_each():
+    fields = plan_fields({"memory": 256, "sa": 300, "x": 1}, row_width=256)
+    assert [(f.name, f.first_layer, f.num_layers) for f in fields] == [
+        ("memory", 0, 1),
+        ("sa", 1, 2),
+        ("x", 3, 1),
+    ]
+
+
+def test_slot_grid_follows_each_block_table():
+    grid = slot_grid([[5, 2], [7]], block_size=4, width=6, device=torch.device("cpu"))
+    assert grid[0].tolist() == [20, 21, 22, 23, 8, 9]
+    # past a request's blocks: its first block (garbage rows, masked by length)
+    assert grid[1].tolist() == [28, 29, 30, 31, 28, 29]
