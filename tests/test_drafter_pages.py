@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm_moa.vllm_plugin.pages import plan_fields, slot_grid
@@ -21,3 +22,22 @@ def test_slot_grid_follows_each_block_table():
     assert grid[0].tolist() == [20, 21, 22, 23, 8, 9]
     # past a request's blocks: its first block (garbage rows, masked by length)
     assert grid[1].tolist() == [28, 29, 30, 31, 28, 29]
+
+
+def test_rows_view_any_dense_layout():
+    """Page rows are a view of the layer's buffer whatever the permutation vLLM binds."""
+    from types import SimpleNamespace
+
+    from vllm_moa.vllm_plugin.pages import DrafterPages
+
+    pages = DrafterPages.__new__(DrafterPages)
+    pages.row_width = 8
+    base = torch.zeros(2, 3, 4, 2)  # e.g. a (2, blocks, block, width) buffer, bound permuted
+    pages.layers = [SimpleNamespace(kv_cache=base.permute(1, 0, 2, 3), layer_name="p.0")]
+    rows = pages._rows(0)
+    assert rows.shape == (6, 8)
+    rows[5] = 1.0
+    assert base.sum() == 8  # written through to the buffer
+    pages.layers = [SimpleNamespace(kv_cache=base[:, :2], layer_name="p.0")]  # not dense
+    with pytest.raises(RuntimeError, match="not one dense buffer"):
+        pages._rows(0)

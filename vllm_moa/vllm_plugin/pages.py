@@ -9,8 +9,8 @@ At load time the proposer declares extra vLLM attention layers shaped exactly li
   blocks, which the proposer notices and rewrites).
 
 vLLM never runs attention on these layers; only the proposer reads and writes them, so their
-blocks hold our own layout: token slot s of a layer is row s of the layer's cache viewed as
-[num_slots, row_width] (row_width = 2 x KV heads x head size of the target). Each field (a
+blocks hold our own layout: token slot s of a layer is row s of the layer's cache buffer viewed
+as [num_slots, row_width] (row_width = 2 x KV heads x head size of the target). Each field (a
 vector per token position, e.g. the CA memory's K|V) takes ceil(width / row_width) layers.
 Slots are `block * block_size + offset`, as in the target's cache.
 """
@@ -76,15 +76,19 @@ class DrafterPages:
         return all(a.kv_cache is not None and a.kv_cache.numel() > 0 for a in self.layers)
 
     def _rows(self, layer: int) -> torch.Tensor:
+        """The layer's cache as [num_slots, row_width] over the same memory. Any dense layout
+        vLLM picks (CPU: [blocks, heads, block, 2 x head size]; others may permute) serves:
+        rows are ours alone, so any bijection from slot numbers onto rows is a valid layout."""
         cache = self.layers[layer].kv_cache
-        if not cache.is_contiguous() or cache.numel() % self.row_width:
+        order = sorted(range(cache.dim()), key=cache.stride, reverse=True)
+        dense = cache.permute(order)
+        if not dense.is_contiguous() or cache.numel() % self.row_width:
             raise RuntimeError(
                 f"vllm_moa: page layer {self.layers[layer].layer_name} got a KV cache of shape "
-                f"{tuple(cache.shape)} strides {cache.stride()}, not contiguous rows of "
-                f"{self.row_width}; this vLLM build lays out caches in a way vllm_moa 0.32 "
-                "support does not know"
+                f"{tuple(cache.shape)}, strides {cache.stride()}: not one dense buffer that "
+                f"splits into rows of {self.row_width}"
             )
-        return cache.view(-1, self.row_width)
+        return dense.view(-1, self.row_width)
 
     def write(self, name: str, slots: torch.Tensor, values: torch.Tensor) -> None:
         """values [N, width] of field `name` at slots [N]."""
