@@ -7,6 +7,8 @@ import torch
 from conftest import make_hf_model
 
 from vllm_moa.decoding import EagleProposer, IndependentProposer, SpeculativeEngine, make_proposer
+from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.model import TargetInfo
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.masks import bounded_memory_limits
@@ -148,3 +150,87 @@ def test_eagle_unroll_is_needed(target):
         stale = method.forward(batch, target_out, bounded, None)
     same = torch.isclose(fresh.logits, stale.logits, atol=1e-5).all(-1)[0]
     assert same[: len(PROMPTS[2]) + 1].all() and not same.all()
+
+
+@pytest.mark.parametrize("kind", ["eagle", "independent"])
+@pytest.mark.parametrize("tree", [TreeParams(3, 2, 5), TreeParams(4, 4, 12), TreeParams(6, 8, 62)])
+def test_tree_greedy_equality(target, kind, tree):
+    proposer = make_proposer(_drafter(kind, target), target)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = SpeculativeEngine(target).generate(prompt, 30).token_ids
+        result = SpeculativeEngine(target, proposer).generate(prompt, 30, tree=tree)
+        assert result.token_ids == plain
+        accepted += result.stats.num_accepted_tokens
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle", "independent"])
+def test_breadth_one_tree_is_the_greedy_chain(target, kind):
+    """A tree of breadth 1 is the greedy chain: same tokens at every cycle of a generation, so
+    each expansion saw exactly its ancestors (and, for EAGLE, its parent's predicted feature)."""
+    trees = []
+    proposer = make_proposer(_drafter(kind, target), target)
+    original = proposer.propose_tree
+
+    def recording(last, depth, breadth, budget):
+        tree = original(last, depth, breadth, budget)
+        trees.append((len(proposer.tokens), tree))
+        return tree
+
+    proposer.propose_tree = recording
+    chain_proposer = make_proposer(_drafter(kind, target), target)
+    chains = _record(chain_proposer)
+    for prompt in PROMPTS:
+        SpeculativeEngine(target, chain_proposer).generate(prompt, 24, num_speculative_tokens=5)
+        SpeculativeEngine(target, proposer).generate(prompt, 24, tree=TreeParams(5, 1, 5))
+    assert len(trees) == len(chains)
+    for (n_tree, tree), (n_chain, proposal) in zip(trees, chains, strict=True):
+        assert n_tree == n_chain
+        assert tree.parents == [-1, 0, 1, 2, 3][: tree.size]
+        assert tree.tokens == proposal.tokens[: tree.size]
+
+
+@pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
+def test_tree_node_scores_are_forced_chain_log_probs(target, kind, monkeypatch):
+    """Breadth 3: every node's joint log-probability equals the one a fresh chain proposer gives
+    its path when forced to draft exactly those tokens, so each expanded node saw the prefix and
+    its own ancestors only (and EAGLE its parent's predicted feature)."""
+    import vllm_moa.decoding.baseline_proposers as bp
+    import vllm_moa.decoding.moa_proposer as mp
+
+    if kind == "moa":
+        from conftest import make_drafter
+
+        drafter = make_drafter(target, tli=1, seed=3)
+    else:
+        drafter = _drafter(kind, target)
+    prompt = [1, 5, 3, 7, 7, 2]
+
+    def started():
+        proposer = make_proposer(drafter, target)
+        target.reset()
+        out = target.forward(torch.tensor(prompt), proposer.hidden_layers)
+        proposer.start(prompt, out)
+        return proposer, int(out.logits[-1].argmax())
+
+    proposer, last = started()
+    tree = proposer.propose_tree(last, 4, 3, 40)
+    assert len(set(tree.depths())) == 4 and tree.size > 8
+    for node in range(tree.size):
+        path, a = [], node
+        while a >= 0:
+            path.insert(0, tree.tokens[a])
+            a = tree.parents[a]
+        forced = functools.partial(_forced_token, iter(path))
+        for module in (bp, mp):
+            monkeypatch.setattr(module, "choose_token", forced)
+        chain, _ = started()
+        logits = chain.propose(last, len(path), SamplingParams(), None).logits
+        logp = sum(float(logits[i].detach().log_softmax(-1)[t]) for i, t in enumerate(path))
+        assert logp == pytest.approx(tree.log_probs[node], abs=1e-4), (node, path)
+
+
+def _forced_token(tokens, *args):
+    """choose_token stand-in: the next token of a fixed path, as if chosen greedily."""
+    return next(tokens), None

@@ -155,7 +155,7 @@ def test_tree_greedy_equality(small_target, tli, tree):
 
 
 def test_tree_needs_a_moa_drafter(small_target):
-    with pytest.raises(ValueError, match="tree decoding needs a MoA drafter"):
+    with pytest.raises(ValueError, match="tree decoding needs a drafter that drafts trees"):
         SpeculativeEngine(small_target).generate([1, 2], 5, tree=TreeParams())
     with pytest.raises(ValueError, match="tree breadth must be an int >= 1"):
         TreeParams(breadth=0)

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         metavar=("DEPTH", "BREADTH", "BUDGET"),
         default=None,
-        help="also evaluate MoA drafters with EAGLE-2 trees (the paper: 6 8 62)",
+        help="also evaluate every drafter with EAGLE-2 trees (the paper: 6 8 62)",
     )
     args = p.parse_args(argv)
     cfg = PRESETS[args.preset]

@@ -10,7 +10,8 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_moa.checkpoint import load_drafter
-from vllm_moa.decoding import MoAProposer, SpeculativeEngine, make_proposer
+from vllm_moa.decoding import SpeculativeEngine, make_proposer
+from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.target import HFTarget
 
@@ -97,7 +98,7 @@ def evaluate_all(
             r["lossless"] = r.pop("outputs") == plain["outputs"]
             r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
             results[name][f"k{k}"] = r
-        if tree is not None and isinstance(engine.proposer, MoAProposer):
+        if tree is not None and isinstance(engine.proposer, TreeProposer):
             r = run_generations(engine, prompts, new_tokens, tree.depth, eos, tree)
             r["lossless"] = r.pop("outputs") == plain["outputs"]
             r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]

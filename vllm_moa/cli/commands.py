@@ -140,7 +140,9 @@ def generate(args: argparse.Namespace) -> int:
         from vllm_moa.decoding.tree import TreeParams
 
         if args.drafter is None:
-            raise ValueError("--tree-* options need --drafter (a MoA drafter)")
+            raise ValueError(
+                "--tree-* options need --drafter (a MoA, EAGLE or independent drafter)"
+            )
         defaults = TreeParams()
         tree = TreeParams(
             depth=args.tree_depth or defaults.depth,

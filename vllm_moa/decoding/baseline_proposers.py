@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from vllm_moa.decoding.baseline_trees import EagleTreeDrafter, IndependentTreeDrafter
 from vllm_moa.decoding.proposer import DraftProposal, choose_token
 from vllm_moa.decoding.sampling import SamplingParams
+from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.masks import causal_mask
@@ -79,6 +81,12 @@ class EagleProposer:
         self._last_token = last_token
         return _proposal(drafts, logits, probs)
 
+    def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
+        """EAGLE-2 tree below `last_token` (see baseline_trees); then state as after propose()."""
+        tree = EagleTreeDrafter(self, last_token).draft(depth, breadth, budget)
+        self._last_token = last_token
+        return tree
+
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         if self._last_token is None:
             raise RuntimeError("accept() called without a preceding propose()")
@@ -136,6 +144,12 @@ class IndependentProposer:
                 probs.append(dist)
         self._last_token = last_token
         return _proposal(drafts, logits, probs)
+
+    def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
+        """EAGLE-2 tree below `last_token` (see baseline_trees); then state as after propose()."""
+        tree = IndependentTreeDrafter(self, last_token).draft(depth, breadth, budget)
+        self._last_token = last_token
+        return tree
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         if self._last_token is None:

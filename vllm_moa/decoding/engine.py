@@ -11,8 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moa.decoding.moa_proposer import MoAProposer
-from vllm_moa.decoding.proposer import Proposer, choose_token
+from vllm_moa.decoding.proposer import Proposer, TreeProposer, choose_token
 from vllm_moa.decoding.sampling import (
     SamplingParams,
     Verdict,
@@ -93,10 +92,10 @@ class SpeculativeEngine:
         depth then plays the part of K)."""
         params = params or SamplingParams()
         if tree is not None:
-            if not isinstance(self.proposer, MoAProposer):
+            if not isinstance(self.proposer, TreeProposer):
                 raise ValueError(
-                    "tree decoding needs a MoA drafter (the proposer is "
-                    f"{type(self.proposer).__name__})"
+                    "tree decoding needs a drafter that drafts trees (MoA, EAGLE or "
+                    f"independent); the proposer is {type(self.proposer).__name__}"
                 )
             num_speculative_tokens = tree.depth
         self._check_request(prompt_ids, max_new_tokens, num_speculative_tokens)
@@ -181,7 +180,7 @@ class SpeculativeEngine:
         stats: GenerationStats,
     ) -> list[int]:
         """One tree draft + verify cycle from `last` at `position`; returns the emitted tokens."""
-        assert isinstance(self.proposer, MoAProposer)
+        assert isinstance(self.proposer, TreeProposer)  # checked in generate()
         draft = self.proposer.propose_tree(last, depth, tree.breadth, tree.budget)
         m = draft.size
         allowed = torch.zeros(m + 1, m + 1, dtype=torch.bool)

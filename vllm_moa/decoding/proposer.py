@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from vllm_moa.decoding.sampling import SamplingParams, probabilities, sample
+from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.target.adapter import TargetOutput
 
 
@@ -39,6 +40,14 @@ class Proposer(Protocol):
     ) -> DraftProposal: ...
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None: ...
+
+
+@runtime_checkable
+class TreeProposer(Proposer, Protocol):
+    """A proposer that also drafts EAGLE-2 trees: `propose_tree` instead of `propose` in a
+    cycle, then `accept` with the accepted path (MoA, EAGLE and independent drafters)."""
+
+    def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree: ...
 
 
 def choose_token(
