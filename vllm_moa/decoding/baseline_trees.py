@@ -40,8 +40,7 @@ class EagleTreeDrafter(TreeSearch):
     def expand(self, frontier: list[int]) -> torch.Tensor:
         prop, target, p = self.prop, self.prop.target, self.p
         device = target.device
-        ids = torch.tensor([self.token[c] for c in frontier], device=device)
-        positions = torch.tensor([p + self.depth[c] - 1 for c in frontier], device=device)
+        ids, positions = self.inputs(frontier, p - 1, device)
         parents = torch.stack([self._parent_feature(c) for c in frontier])
         emb = target.embed(ids).to(prop.dtype)
         x = prop.drafter.fuse(emb[None], parents.to(prop.dtype)[None])  # [1, f, E]
@@ -75,8 +74,7 @@ class IndependentTreeDrafter(TreeSearch):
     def expand(self, frontier: list[int]) -> torch.Tensor:
         prop, target, p = self.prop, self.prop.target, self.p
         device = target.device
-        ids = torch.tensor([self.token[c] for c in frontier], device=device)
-        positions = torch.tensor([p + self.depth[c] for c in frontier], device=device)
+        ids, positions = self.inputs(frontier, p, device)
         allowed = self.visible(frontier, p + 1).to(device)
         h = target.embed(ids)[None].to(prop.drafter.norm.weight.dtype)
         for i, block in enumerate(prop.drafter.blocks):

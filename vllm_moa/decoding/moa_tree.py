@@ -38,8 +38,7 @@ class MoATreeDrafter(TreeSearch):
     def expand(self, frontier: list[int]) -> torch.Tensor:
         prop, target, p = self.prop, self.prop.target, self.p
         device = target.device
-        ids = torch.tensor([self.token[c] for c in frontier], device=device)
-        positions = torch.tensor([p + self.depth[c] for c in frontier], device=device)
+        ids, positions = self.inputs(frontier, p, device)
         sa = prop.drafter.self_attention
         emb = target.embed(ids).to(prop.dtype)[None]
         k, v = self.sa.update(*sa.kv_from(emb, positions), 0)

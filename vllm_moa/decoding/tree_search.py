@@ -80,6 +80,14 @@ class TreeSearch:
             out.append((parent, toks, scs))
         return out
 
+    def inputs(
+        self, frontier: list[int], base: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [f] of the frontier candidates and positions [f] = base + depth."""
+        ids = torch.tensor([self.token[c] for c in frontier], device=device)
+        positions = torch.tensor([base + self.depth[c] for c in frontier], device=device)
+        return ids, positions
+
     def visible(self, frontier: list[int], prefix_len: int) -> torch.Tensor:
         """bool [f, prefix + expanded]: the whole prefix, then ancestors-or-self (registers the
         frontier as the newest expanded rows)."""

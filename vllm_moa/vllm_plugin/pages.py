@@ -66,6 +66,10 @@ class DrafterPages:
                 )
                 for i in range(count)
             ]
+        for layer in self.layers:
+            # Full attention whatever the target's window: our rows must live as long as the
+            # request (a sliding-window spec would let vLLM free the early blocks).
+            layer.sliding_window = None
 
     @property
     def layer_names(self) -> list[str]:
