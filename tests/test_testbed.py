@@ -49,7 +49,6 @@ def test_testbed_ci_preset(tmp_path):
         for k in ("k4", "k6"):
             r = report["results"][m][k]
             assert r["lossless"] and 1.0 <= r["tau"] <= int(k[1:]) + 1
-    for m in ("moa_tli0", "moa_tli1", "moa_no_lsa"):
+    for m in methods:  # every drafter drafts trees
         assert report["results"][m]["tree_d3_b2_m4"]["lossless"]
-    assert "tree_d3_b2_m4" not in report["results"]["eagle"]
     assert results.with_suffix(".png").is_file()
