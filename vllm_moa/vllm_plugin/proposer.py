@@ -175,6 +175,12 @@ class MoAVllmProposer:
                     self._where[name] = (g, int(group.kv_cache_spec.block_size))
         return [self._where[name] for name in names]
 
+    def _page_key(self, runner: Any) -> tuple[int, int]:
+        """(group, block size) of the page layers: all in one KV-cache group."""
+        assert self.pages is not None
+        (key,) = set(self._groups(runner, self.pages.layer_names))
+        return key
+
     # -- one step --------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -294,23 +300,25 @@ class MoAVllmProposer:
         assert drafter is not None and target is not None and pages is not None
         spans = [(s.written, s.written + len(p) - 1) for s, p in zip(states, pending, strict=True)]
         block_ids = [s.block_ids for s in states]
-        (group_key,) = set(self._groups(runner, pages.layer_names))
+        group_key = self._page_key(runner)
         # SA: K/V of a position depends on its token only; one projection for all pending.
         ids = torch.tensor([t for p in pending for t in p], device=self.device)
         positions = torch.cat([torch.arange(a, b + 1) for a, b in spans]).to(self.device)
         sa_k, sa_v = drafter.self_attention.kv_from(
             target.embed(ids).to(self._dtype)[None], positions
         )  # [1, Hkv, P, D]
-        ends = torch.tensor([len(p) for p in pending]).cumsum(0) - 1
-        is_last = torch.zeros(len(ids), dtype=torch.bool)
-        is_last[ends] = True
-        is_last = is_last.to(self.device)
+        # Row indices (host-built, so no device sync): each request's last token, and the rest.
+        ends = [int(e) - 1 for e in torch.tensor([len(p) for p in pending]).cumsum(0)]
+        last_rows = torch.tensor(ends, device=self.device)
+        verified_rows = torch.tensor(
+            sorted(set(range(len(ids))) - set(ends)), dtype=torch.long, device=self.device
+        )
         todo = [i for i, (a, b) in enumerate(spans) if b > a]
         if todo:
             new_spans = [spans[i] for i in todo]
             new_blocks = [block_ids[i] for i in todo]
             slots = self._span_slots(group_key, new_blocks, new_spans)
-            pages.write("sa", slots, kv_rows(sa_k[:, :, ~is_last], sa_v[:, :, ~is_last]))
+            pages.write("sa", slots, kv_rows(sa_k[:, :, verified_rows], sa_v[:, :, verified_rows]))
             layer_kv = self._read_layer_kv(runner, new_blocks, new_spans)
             memory = drafter.encode_memory(layer_kv.to(self._dtype))  # [N, E]
             mem_positions = torch.cat([torch.arange(a, b) for a, b in new_spans])
@@ -318,7 +326,7 @@ class MoAVllmProposer:
             pages.write("memory", slots, kv_rows(k, v))
             for i in todo:
                 states[i].written = spans[i][1]
-        return sa_k[0, :, is_last].transpose(0, 1), sa_v[0, :, is_last].transpose(0, 1)
+        return sa_k[0, :, last_rows].transpose(0, 1), sa_v[0, :, last_rows].transpose(0, 1)
 
     def _draft(
         self,
@@ -334,7 +342,8 @@ class MoAVllmProposer:
         assert drafter is not None and target is not None and pages is not None
         sa = drafter.self_attention
         verified = torch.tensor([s.written for s in states], device=self.device)
-        width = int(verified.max()) + steps  # room for this cycle's drafted positions
+        # room for this cycle's drafted positions (from host ints: no device sync)
+        width = max(s.written for s in states) + steps
         grids: dict[tuple[int, int], torch.Tensor] = {}
 
         def grid(key: tuple[int, int]) -> torch.Tensor:
@@ -344,7 +353,7 @@ class MoAVllmProposer:
                 )
             return grids[key]
 
-        (page_key,) = set(self._groups(runner, pages.layer_names))
+        page_key = self._page_key(runner)
         sa_kv = PaddedKV.from_rows(
             pages.gather("sa", grid(page_key)).to(self._dtype), sa.self_attn.num_kv_heads, verified
         )
