@@ -110,17 +110,24 @@ class DrafterPages:
         return out[..., : field.width]
 
 
-def slot_grid(
-    block_ids: list[list[int]], block_size: int, width: int, device: torch.device
-) -> torch.Tensor:
-    """Slots [B, width] of positions 0..width-1 of each request (rows past a request's blocks
-    point at its first block: garbage, which callers mask out by length)."""
+def block_table(block_ids: list[list[int]], block_size: int, width: int) -> torch.Tensor:
+    """Block ids [B, ceil(width / block_size)] covering positions 0..width-1 of each request
+    (entries past a request's blocks repeat its first block: garbage, masked out by length)."""
     blocks_per_row = math.ceil(width / block_size)
     table = torch.zeros(len(block_ids), blocks_per_row, dtype=torch.long)
     for i, ids in enumerate(block_ids):
         n = min(len(ids), blocks_per_row)
         table[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
         table[i, n:] = ids[0] if ids else 0
+    return table
+
+
+def slot_grid(
+    block_ids: list[list[int]], block_size: int, width: int, device: torch.device
+) -> torch.Tensor:
+    """Slots [B, width] of positions 0..width-1 of each request (rows past a request's blocks
+    point at its first block: garbage, which callers mask out by length)."""
+    table = block_table(block_ids, block_size, width)
     positions = torch.arange(width)
     slots = table[:, positions // block_size] * block_size + positions % block_size
     return slots.to(device)

@@ -36,10 +36,11 @@ from vllm_moa.model.moa import MoADrafter
 from vllm_moa.vllm_plugin.kv_reader import (
     CpuBlockLayout,
     check_backend,
+    gather_blocks,
     gather_kv,
     slots_for_positions,
 )
-from vllm_moa.vllm_plugin.pages import DrafterPages, slot_grid
+from vllm_moa.vllm_plugin.pages import DrafterPages, block_table, slot_grid
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 
 logger = logging.getLogger("vllm_moa")
@@ -267,6 +268,15 @@ class MoAVllmProposer:
         )
 
     def _gather(self, attn: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [n, Hkv, D] of `slots` [n] from a target layer's paged cache."""
+        return gather_kv(attn.kv_cache, slots, *self._cache_layout(attn))
+
+    def _gather_blocks(self, attn: Any, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V [B, n * block_size, Hkv, D] of whole blocks `table` [B, n]."""
+        return gather_blocks(attn.kv_cache, table, *self._cache_layout(attn))
+
+    def _cache_layout(self, attn: Any) -> tuple[str, CpuBlockLayout | None]:
+        """The layer's backend name and, for CPU_ATTN, its probed in-block layout (cached)."""
         backend = attn.attn_backend.get_name()
         cache = attn.kv_cache
         assert self.target is not None
@@ -283,7 +293,7 @@ class MoAVllmProposer:
             if layout is None:
                 layout = CpuBlockLayout.probe(heads, block_size, width // 2, cache.dtype, attn.isa)
                 self._cpu_layouts[key] = layout
-        return gather_kv(cache, slots, backend, layout)
+        return backend, layout
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -364,7 +374,7 @@ class MoAVllmProposer:
             drafter.cross_attention.self_attn.num_kv_heads,
             verified,
         )
-        tail = self._tail_batch(runner, grid, verified)
+        tail = self._tail_batch(runner, [s.block_ids for s in states], width, verified)
         query = target.embed(torch.tensor([p[-1] for p in pending], device=self.device))
         query = query.to(self._dtype)[:, None]  # [B, 1, E]
         positions = verified[:, None].clone()  # each last token's position
@@ -392,9 +402,12 @@ class MoAVllmProposer:
 
     # -- TLI ---------------------------------------------------------------------------------------
 
-    def _tail_batch(self, runner: Any, grid: Any, verified: torch.Tensor) -> list[PaddedKV]:
-        """Per tail layer, the verified prefix's K/V read from the target's own paged cache,
-        with room for this cycle's drafted positions (which never touch the target's cache)."""
+    def _tail_batch(
+        self, runner: Any, block_ids: list[Any], width: int, verified: torch.Tensor
+    ) -> list[PaddedKV]:
+        """Per tail layer, the verified prefix's K/V read from the target's own paged cache (whole
+        blocks), with room for this cycle's drafted positions (which never touch the target's
+        cache): [B, Hkv, width, D] each."""
         assert self.drafter is not None and self.target is not None
         tli = self.drafter.config.tli
         if not tli:
@@ -402,11 +415,11 @@ class MoAVllmProposer:
         attns = self.target.attn_layers[-tli:]
         keys = self._groups(runner, [a.layer_name for a in attns])
         out = []
-        for attn, key in zip(attns, keys, strict=True):
-            slots = grid(key)
-            k, v = self._gather(attn, slots.flatten())  # [B*S, Hkv, D]
-            k = k.unflatten(0, slots.shape).transpose(1, 2).to(self._target_dtype)
-            v = v.unflatten(0, slots.shape).transpose(1, 2).to(self._target_dtype)
+        for attn, (group, block_size) in zip(attns, keys, strict=True):
+            table = block_table([ids[group] for ids in block_ids], block_size, width)
+            k, v = self._gather_blocks(attn, table.to(self.device))  # [B, S, Hkv, D]
+            k = k[:, :width].transpose(1, 2).to(self._target_dtype)
+            v = v[:, :width].transpose(1, 2).to(self._target_dtype)
             out.append(PaddedKV(k, v, verified.clone()))
         return out
 
