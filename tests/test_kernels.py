@@ -115,3 +115,44 @@ def test_gpu_benchmark_script_smoke(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
     assert all(r["ok"] for r in report["layer_attention"] + report["tree_attention"])
+
+
+def test_drafter_lsa_uses_the_kernel_when_enabled(llama_target, monkeypatch):
+    """With VLLM_MOA_KERNELS=1 (here under the interpreter; `auto` picks it on CUDA), the LSA's
+    layer-axis attention runs the Triton kernel when drafting and gives the memory the PyTorch
+    path gives; training (gradients on) keeps the differentiable path."""
+    import vllm_moa.kernels.layer_attention as kernel_module
+    from conftest import make_drafter
+
+    calls = []
+    real = kernel_module.layer_attention
+
+    def spy(q, k, v):
+        calls.append(q.shape)
+        return real(q, k, v)
+
+    monkeypatch.setattr(kernel_module, "layer_attention", spy)
+    drafter = make_drafter(llama_target)
+    shape = llama_target.shape
+    torch.manual_seed(1)
+    features = torch.randn(5, shape.num_layers, 2 * shape.num_kv_heads * shape.head_dim)
+    with torch.no_grad():
+        monkeypatch.setenv("VLLM_MOA_KERNELS", "0")
+        want = drafter.encode_memory(features)
+        assert not calls
+        monkeypatch.setenv("VLLM_MOA_KERNELS", "1")
+        got = drafter.encode_memory(features)
+    assert len(calls) == 1 and calls[0][0] == 5 and calls[0][2] == shape.num_layers
+    torch.testing.assert_close(got, want, **TOL)
+    drafter.encode_memory(features.requires_grad_()).sum().backward()  # grad on: no kernel
+    assert len(calls) == 1
+
+
+def test_kernel_switch_rejects_unknown_values(monkeypatch):
+    from vllm_moa.model.layers import use_kernels
+
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "auto")
+    assert not use_kernels(torch.device("cpu"))  # auto: CUDA only
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "maybe")
+    with pytest.raises(ValueError, match="VLLM_MOA_KERNELS='maybe': use auto, 1 or 0"):
+        use_kernels(torch.device("cpu"))

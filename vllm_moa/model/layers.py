@@ -5,6 +5,8 @@ Shapes: B batch (tokens for LSA), T queries, S keys, H query heads, Hkv KV heads
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -66,6 +68,38 @@ def masked_attention(
     return reference_attention(q, k, v, mask)
 
 
+KERNELS_ENV = "VLLM_MOA_KERNELS"
+
+
+def use_kernels(device: torch.device) -> bool:
+    """Whether inference uses our Triton kernels: `auto` (default) on CUDA devices when Triton is
+    installed; `1` forces them anywhere (tests run them on the CPU under TRITON_INTERPRET=1);
+    `0` never (the PyTorch paths)."""
+    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower()
+    if mode in ("0", "off", "false", "no"):
+        return False
+    if mode in ("1", "on", "true", "yes"):
+        return True
+    if mode != "auto":
+        raise ValueError(f"{KERNELS_ENV}={mode!r}: use auto, 1 or 0")
+    if device.type != "cuda":
+        return False
+    from vllm_moa.kernels.layer_attention import triton
+
+    return triton is not None
+
+
+def layer_axis_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """LSA's full (unmasked) attention over the layer axis, q [N, H, L, D], k/v [N, Hkv, L, D]:
+    the Triton kernel when drafting on CUDA (see `use_kernels`), masked_attention otherwise
+    (always when training: the kernel has no backward)."""
+    if not torch.is_grad_enabled() and use_kernels(q.device):
+        from vllm_moa.kernels.layer_attention import layer_attention
+
+        return layer_attention(q, k, v)
+    return masked_attention(q, k, v, None)
+
+
 def reference_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
 ) -> torch.Tensor:
@@ -87,8 +121,16 @@ def reference_attention(
 class Attention(nn.Module):
     """GQA attention whose keys/values may come from another stream (self or cross attention)."""
 
-    def __init__(self, width: int, num_heads: int, num_kv_heads: int, rope_theta: float) -> None:
+    def __init__(
+        self,
+        width: int,
+        num_heads: int,
+        num_kv_heads: int,
+        rope_theta: float,
+        over_layers: bool = False,
+    ) -> None:
         super().__init__()
+        self.over_layers = over_layers  # LSA: unmasked attention over a short layer axis
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = width // num_heads
@@ -120,7 +162,11 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         q = self._heads(self.q_proj(x), self.num_heads)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-        out = masked_attention(apply_rope(q, cos, sin), k, v, mask)  # [B, H, T, D]
+        q = apply_rope(q, cos, sin)
+        if self.over_layers and mask is None:
+            out = layer_axis_attention(q, k, v)
+        else:
+            out = masked_attention(q, k, v, mask)  # [B, H, T, D]
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
@@ -151,11 +197,12 @@ class DecoderBlock(nn.Module):
         rope_theta: float,
         eps: float,
         input_norm: bool = True,
+        over_layers: bool = False,
     ) -> None:
         super().__init__()
         # EAGLE's layer has no input norm: its input is already an fc projection.
         self.input_layernorm: nn.Module = RMSNorm(width, eps) if input_norm else nn.Identity()
-        self.self_attn = Attention(width, num_heads, num_kv_heads, rope_theta)
+        self.self_attn = Attention(width, num_heads, num_kv_heads, rope_theta, over_layers)
         self.post_attention_layernorm = RMSNorm(width, eps)
         self.mlp = SwiGLU(width, intermediate)
 

@@ -31,6 +31,7 @@ class MoADrafter(nn.Module):
                 c.lsa_intermediate_size,
                 c.lsa_rope_theta,
                 c.rms_norm_eps,
+                over_layers=True,
             )
             self.Ekv2E = nn.Linear(width, hidden, bias=True)
         self.self_attention = DecoderBlock(
