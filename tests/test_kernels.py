@@ -156,3 +156,53 @@ def test_kernel_switch_rejects_unknown_values(monkeypatch):
     monkeypatch.setenv("VLLM_MOA_KERNELS", "maybe")
     with pytest.raises(ValueError, match="VLLM_MOA_KERNELS='maybe': use auto, 1 or 0"):
         use_kernels(torch.device("cpu"))
+
+
+def _tree_target():
+    from conftest import make_hf_model
+
+    from vllm_moa.target import HFTarget
+
+    target = HFTarget(make_hf_model(vocab_size=12, seed=11))
+    target.config._attn_implementation = "sdpa"  # what HFTarget.from_pretrained loads
+    return target
+
+
+def test_forward_tree_through_the_kernel_equals_sdpa(monkeypatch):
+    """With kernels enabled, every target layer's tree verification runs our Triton kernel
+    (spied) and gives the logits and cache contents of the SDPA path."""
+    import vllm_moa.kernels.tree_attention as kernel_module
+
+    calls = []
+    real = kernel_module.tree_attention
+    monkeypatch.setattr(kernel_module, "tree_attention", lambda *a: calls.append(1) or real(*a))
+    target = _tree_target()
+    # root 6 at position 5; nodes 7 (root's child), 9 (its sibling), 8 (child of 7), 2 (of 9)
+    ids, positions = torch.tensor([6, 7, 9, 8, 2]), torch.tensor([5, 6, 6, 7, 7])
+    allowed = torch.tensor(
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 1, 0, 1]],
+        dtype=torch.bool,
+    )
+    outs = {}
+    for mode in ("0", "1"):
+        monkeypatch.setenv("VLLM_MOA_KERNELS", mode)
+        target.reset()
+        target.forward(torch.tensor([1, 4, 3, 11, 5]))
+        outs[mode] = target.forward_tree(ids, positions, allowed)
+        assert target.config._attn_implementation == "sdpa"  # restored
+    assert len(calls) == target.shape.num_layers
+    torch.testing.assert_close(outs["1"].logits, outs["0"].logits, **TOL)
+    torch.testing.assert_close(outs["1"].layer_kv, outs["0"].layer_kv, **TOL)
+
+
+def test_tree_decoding_with_kernels_equals_plain_greedy(monkeypatch):
+    from conftest import make_drafter
+
+    from vllm_moa.decoding import MoAProposer, SpeculativeEngine
+    from vllm_moa.decoding.tree import TreeParams
+
+    target = _tree_target()
+    plain = SpeculativeEngine(target).generate([1, 5, 3, 7], 16).token_ids
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "1")
+    engine = SpeculativeEngine(target, MoAProposer(make_drafter(target), target))
+    assert engine.generate([1, 5, 3, 7], 16, tree=TreeParams(3, 2, 5)).token_ids == plain

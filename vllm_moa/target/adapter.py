@@ -19,6 +19,8 @@ import torch
 
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.kv_cache import KVCache
+from vllm_moa.model.layers import use_kernels
+from vllm_moa.target import tree_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED_MODULES = (
@@ -179,6 +181,7 @@ class HFTarget:
         layer_ids: range,
         cache: Any,  # anything with KVCache.update()'s signature
         mask_for: Callable[[int], torch.Tensor],  # layer index -> additive [B|1, 1, T, S]
+        **attention_kwargs: Any,  # passed to the layers' attention function
     ) -> torch.Tensor:
         pos = positions[None]
         position_embeddings = self.rotary_emb(h, pos)
@@ -190,6 +193,7 @@ class HFTarget:
                 past_key_values=cache,
                 use_cache=True,
                 position_embeddings=position_embeddings,
+                **attention_kwargs,
             )
             h = out[0] if isinstance(out, tuple) else out
         return h
@@ -208,6 +212,7 @@ class HFTarget:
         cache: KVCache,
         wanted: set[int],
         mask_for: Callable[[int], torch.Tensor] | None = None,
+        **attention_kwargs: Any,
     ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """All layers + final norm on h [B, T, E]; returns (final [B, T, E], hidden dict).
         Masks default to causal over the cache; forward_tree passes its own."""
@@ -218,7 +223,7 @@ class HFTarget:
         for a, b in itertools.pairwise(cut_points):
             if a in wanted:
                 hidden[a] = h
-            h = self.run_layers(h, positions, range(a, b), cache, masks)
+            h = self.run_layers(h, positions, range(a, b), cache, masks, **attention_kwargs)
         h = self.norm(h)
         if num_layers in wanted:
             hidden[num_layers] = h
@@ -272,7 +277,16 @@ class HFTarget:
             return self.additive_mask(ok)[None, None]
 
         h = self.embed_tokens(token_ids.to(self.device))[None]
-        h, hidden = self._forward_hidden(h, positions, self.cache, set(hidden_layers), mask_for)
+        wanted = set(hidden_layers)
+        if use_kernels(self.device) and tree_kernel.routable(self.config, self._windows):
+            # CUDA: our tree-masked attention kernel instead of SDPA over a dense mask.
+            tree_mask = allowed.to(self.device)
+            with tree_kernel.tree_kernel_attention(self.config):
+                h, hidden = self._forward_hidden(
+                    h, positions, self.cache, wanted, mask_for, moa_tree_mask=tree_mask
+                )
+        else:
+            h, hidden = self._forward_hidden(h, positions, self.cache, wanted, mask_for)
         return TargetOutput(
             logits=self.lm_logits(h[0]),
             layer_kv=kv_rows(self.cache, start, start + len(positions))[0],

@@ -1,0 +1,86 @@
+"""Tree verification through our Triton kernel inside Hugging Face attention layers (CUDA).
+
+`HFTarget.forward_tree` runs the target's own layers; while it does, with kernels enabled
+(`vllm_moa.model.layers.use_kernels`), the layers' attention function is ours: it feeds the
+layer's cache (the verified prefix, then the tree's nodes just appended) to
+`vllm_moa.kernels.tree_attention` as a one-page paged cache with the tree's ancestor mask, and
+falls back to PyTorch SDPA with the additive mask where the kernel does not apply (a sliding
+window, a non-standard softmax scale or logit soft-capping).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+NAME = "vllm_moa_tree"
+MASK_KWARG = "moa_tree_mask"
+
+
+def routable(target_config: Any, windows: list[int | None]) -> bool:
+    """Whether forward_tree may route this model's attention through us: SDPA layers (our
+    fallback) and no sliding window anywhere."""
+    return target_config._attn_implementation == "sdpa" and all(w is None for w in windows)
+
+
+def _kernel_applies(module: Any, query: torch.Tensor) -> bool:
+    return (
+        getattr(module, "sliding_window", None) is None
+        and not getattr(module, "attn_logit_softcapping", None)
+        and abs(float(getattr(module, "scaling", 0.0)) - query.shape[-1] ** -0.5) < 1e-9
+    )
+
+
+def tree_attention_forward(
+    module: Any,
+    query: torch.Tensor,  # [1, H, T, D]: the tree's tokens (root first)
+    key: torch.Tensor,  # [1, Hkv, P + T, D]: the layer's cache after appending them
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # additive [1, 1, T, P + T] (the fallback's)
+    scaling: float,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    tree_mask = kwargs.pop(MASK_KWARG, None)
+    if tree_mask is None or query.shape[0] != 1 or not _kernel_applies(module, query):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    from vllm_moa.kernels.tree_attention import tree_attention
+
+    nodes = query.shape[2]
+    prefix = key.shape[2] - nodes
+    device = query.device
+    pages_k = key[0].transpose(0, 1)[None]  # [1 page, P + T, Hkv, D]: one page, no copy
+    pages_v = value[0].transpose(0, 1)[None]
+    out = tree_attention(
+        query.transpose(1, 2),
+        key[:, :, prefix:].transpose(1, 2),
+        value[:, :, prefix:].transpose(1, 2),
+        tree_mask[None],
+        torch.tensor([nodes], device=device),
+        pages_k,
+        pages_v,
+        torch.zeros(1, 1, dtype=torch.int32, device=device),
+        torch.tensor([prefix], device=device),
+    )
+    return out, None  # [1, T, H, D], as HF attention functions return
+
+
+@contextmanager
+def tree_kernel_attention(config: Any) -> Iterator[None]:
+    """Route the model's attention layers to `tree_attention_forward` inside the block."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, tree_attention_forward)
+    before = config._attn_implementation
+    config._attn_implementation = NAME
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
