@@ -8,6 +8,7 @@ independent. One program per (token, head) holds the whole L x L score tile in r
 from __future__ import annotations
 
 import torch
+from vllm_moa.kernels.common import dot_precision
 
 try:
     import triton
@@ -51,6 +52,7 @@ if triton is not None:
         scale,
         BLOCK_L: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 models, else "tf32"
     ):
         n = tl.program_id(0)
         h = tl.program_id(1)
@@ -74,12 +76,13 @@ if triton is not None:
             mask=tile_ok,
             other=0.0,
         )
-        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale  # [L, L]
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
+        scores = scores * scale  # [L, L]
         scores = tl.where(row_ok[None, :], scores, float("-inf"))
         scores = scores - tl.max(scores, axis=1)[:, None]
         p = tl.exp(scores)
         p = p / tl.sum(p, axis=1)[:, None]
-        out = tl.dot(p, v.to(tl.float32))
+        out = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
         tl.store(
             o_ptr + n * stride_on + h * stride_oh + rows[:, None] * stride_ol + cols[None, :],
             out.to(o_ptr.dtype.element_ty),
@@ -133,5 +136,6 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         d**-0.5,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
+        PRECISION=dot_precision(q.dtype),
     )
     return out

@@ -14,6 +14,7 @@ prefix_lens [B]. Output [B, M, H, D] (rows >= num_nodes[b] are zeros).
 from __future__ import annotations
 
 import torch
+from vllm_moa.kernels.common import dot_precision
 
 try:
     import triton
@@ -90,6 +91,7 @@ if triton is not None:
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 models, else "tf32"
     ):
         b = tl.program_id(0)
         h = tl.program_id(1)
@@ -117,13 +119,13 @@ if triton is not None:
             kv_ok = j_ok[:, None] & col_ok[None, :]
             k = tl.load(kc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
             v = tl.load(vc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
             s = tl.where(j_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             alpha = tl.exp(m_i - m_new)
             p = tl.exp(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
             m_i = m_new
         # 2) the tree nodes, under the ancestor mask
         for start in range(0, num_nodes, BLOCK_N):
@@ -138,7 +140,7 @@ if triton is not None:
                 mask=row_ok[:, None] & j_ok[None, :],
                 other=0,
             )
-            s = tl.dot(q, tl.trans(k.to(tl.float32))) * scale
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
             s = tl.where(allowed != 0, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # rows with nothing visible yet keep m = -inf: guard the exp of (-inf) - (-inf)
@@ -146,7 +148,7 @@ if triton is not None:
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
@@ -231,5 +233,6 @@ def tree_attention(
         BLOCK_M=block_m,
         BLOCK_N=16,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
+        PRECISION=dot_precision(q.dtype),
     )
     return out
