@@ -27,20 +27,9 @@ from benchmarks.testbed.evaluate import read_prompts, run_generations
 from benchmarks.testbed.report import git_sha, machine
 from vllm_moa.checkpoint import load_drafter
 from vllm_moa.decoding import SpeculativeEngine, make_proposer
-from vllm_moa.model.baselines import EagleDrafter
-from vllm_moa.model.moa import MoADrafter
 from vllm_moa.target import HFTarget
 from vllm_moa.training.data import Example, collate
-from vllm_moa.training.methods import EagleMethod, IndependentMethod, MoAMethod
-
-
-def evaluation_method(drafter: Any, target: HFTarget) -> Any:
-    """The training forward of a drafter, without feature noise."""
-    if isinstance(drafter, MoADrafter):
-        return MoAMethod(drafter, target)
-    if isinstance(drafter, EagleDrafter):
-        return EagleMethod(drafter, target, feature_noise=0.0)
-    return IndependentMethod(drafter, target)
+from vllm_moa.training.factory import method_for
 
 
 @torch.no_grad()
@@ -104,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         name, _, path = spec.partition("=")
         drafter = load_drafter(path, target.shape)
         drafter.eval()
-        method = evaluation_method(drafter, target)
+        method = method_for(drafter, target)  # no feature noise: eval
         agreement = teacher_forced(method, target, examples, args.k)
         engine = SpeculativeEngine(target, make_proposer(drafter, target))
         run = run_generations(engine, prompts, args.max_tokens, args.k, eos)

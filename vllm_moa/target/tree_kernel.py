@@ -4,8 +4,8 @@
 (`vllm_moa.model.layers.use_kernels`), the layers' attention function is ours: it feeds the
 layer's cache (the verified prefix, then the tree's nodes just appended) to
 `vllm_moa.kernels.tree_attention` as a one-page paged cache with the tree's ancestor mask, and
-falls back to PyTorch SDPA with the additive mask where the kernel does not apply (a sliding
-window, a non-standard softmax scale or logit soft-capping).
+falls back to PyTorch SDPA with the additive mask where the kernel does not apply (a
+non-standard softmax scale or logit soft-capping; models with sliding windows are not routed).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ def routable(target_config: Any, windows: list[int | None]) -> bool:
 
 
 def _kernel_applies(module: Any, query: torch.Tensor) -> bool:
+    # (sliding windows never get here: `routable` keeps such models on SDPA)
     return (
-        getattr(module, "sliding_window", None) is None
-        and not getattr(module, "attn_logit_softcapping", None)
+        not getattr(module, "attn_logit_softcapping", None)
         and abs(float(getattr(module, "scaling", 0.0)) - query.shape[-1] ** -0.5) < 1e-9
     )
 

@@ -34,11 +34,13 @@ def new_drafter(cfg: TrainConfig) -> nn.Module:
     return drafter
 
 
-def method_for(drafter: nn.Module, target: HFTarget, cfg: TrainConfig) -> DraftMethod:
+def method_for(drafter: nn.Module, target: HFTarget, feature_noise: float = 0.0) -> DraftMethod:
+    """The training forward of a drafter (EAGLE's feature noise applies only when a generator is
+    passed to forward(), i.e. in training steps)."""
     if isinstance(drafter, MoADrafter):
         return MoAMethod(drafter, target)
     if isinstance(drafter, EagleDrafter):
-        return EagleMethod(drafter, target, cfg.feature_noise)
+        return EagleMethod(drafter, target, feature_noise)
     if isinstance(drafter, IndependentDrafter):
         return IndependentMethod(drafter, target)
     raise TypeError(f"cannot train a {type(drafter).__name__}")
@@ -46,8 +48,10 @@ def method_for(drafter: nn.Module, target: HFTarget, cfg: TrainConfig) -> DraftM
 
 def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
     if cfg.drafter is not None:
-        return method_for(load_drafter(cfg.drafter, target=target.shape), target, cfg)
-    return method_for(new_drafter(cfg), target, cfg)
+        drafter = load_drafter(cfg.drafter, target=target.shape)
+    else:
+        drafter = new_drafter(cfg)
+    return method_for(drafter, target, cfg.feature_noise)
 
 
 def save_method_drafter(method: DraftMethod, out: Path) -> Path:

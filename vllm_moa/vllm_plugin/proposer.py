@@ -23,6 +23,7 @@ new blocks) or a reused request id gets its rows rewritten from position 0.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -318,7 +319,7 @@ class MoAVllmProposer:
             target.embed(ids).to(self._dtype)[None], positions
         )  # [1, Hkv, P, D]
         # Row indices (host-built, so no device sync): each request's last token, and the rest.
-        ends = [int(e) - 1 for e in torch.tensor([len(p) for p in pending]).cumsum(0)]
+        ends = [end - 1 for end in itertools.accumulate(len(p) for p in pending)]
         last_rows = torch.tensor(ends, device=self.device)
         verified_rows = torch.tensor(
             sorted(set(range(len(ids))) - set(ends)), dtype=torch.long, device=self.device
@@ -354,26 +355,19 @@ class MoAVllmProposer:
         verified = torch.tensor([s.written for s in states], device=self.device)
         # room for this cycle's drafted positions (from host ints: no device sync)
         width = max(s.written for s in states) + steps
-        grids: dict[tuple[int, int], torch.Tensor] = {}
-
-        def grid(key: tuple[int, int]) -> torch.Tensor:
-            if key not in grids:
-                grids[key] = slot_grid(
-                    [s.block_ids[key[0]] for s in states], key[1], width, self.device
-                )
-            return grids[key]
-
-        page_key = self._page_key(runner)
+        group, block_size = self._page_key(runner)
+        slots = slot_grid([s.block_ids[group] for s in states], block_size, width, self.device)
         sa_kv = PaddedKV.from_rows(
-            pages.gather("sa", grid(page_key)).to(self._dtype), sa.self_attn.num_kv_heads, verified
+            pages.gather("sa", slots).to(self._dtype), sa.self_attn.num_kv_heads, verified
         )
         sa_kv.append(last_k, last_v)  # the last token sees itself
         # A one-token prompt has no verified token yet: an empty memory (its CA output is zero).
         memory = PaddedKV.from_rows(
-            pages.gather("memory", grid(page_key)).to(self._dtype),
+            pages.gather("memory", slots).to(self._dtype),
             drafter.cross_attention.self_attn.num_kv_heads,
             verified,
         )
+        memory_mask = memory.mask  # fixed for the whole draft (memory rows never grow in it)
         tail = self._tail_batch(runner, [s.block_ids for s in states], width, verified)
         query = target.embed(torch.tensor([p[-1] for p in pending], device=self.device))
         query = query.to(self._dtype)[:, None]  # [B, 1, E]
@@ -386,7 +380,7 @@ class MoAVllmProposer:
                 sa_kv.append(k[:, :, 0], v[:, :, 0])
             h = sa(query, positions, sa_kv.k, sa_kv.v, sa_kv.mask)
             # Every memory row (< p <= position) is visible to a drafted position.
-            h = drafter.cross_attention(h, positions, memory.k, memory.v, memory.mask)[:, 0]
+            h = drafter.cross_attention(h, positions, memory.k, memory.v, memory_mask)[:, 0]
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
             if tail:
@@ -414,10 +408,15 @@ class MoAVllmProposer:
             return []
         attns = self.target.attn_layers[-tli:]
         keys = self._groups(runner, [a.layer_name for a in attns])
+        tables = {
+            (group, size): block_table([ids[group] for ids in block_ids], size, width).to(
+                self.device
+            )
+            for group, size in set(keys)
+        }
         out = []
-        for attn, (group, block_size) in zip(attns, keys, strict=True):
-            table = block_table([ids[group] for ids in block_ids], block_size, width)
-            k, v = self._gather_blocks(attn, table.to(self.device))  # [B, S, Hkv, D]
+        for attn, key in zip(attns, keys, strict=True):
+            k, v = self._gather_blocks(attn, tables[key])  # [B, S, Hkv, D]
             k = k[:, :width].transpose(1, 2).to(self._target_dtype)
             v = v[:, :width].transpose(1, 2).to(self._target_dtype)
             out.append(PaddedKV(k, v, verified.clone()))
