@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref
+from vllm_moa.kernels.paged_layer_kv import paged_layer_kv, paged_layer_kv_ref
 from vllm_moa.kernels.tree_attention import tree_attention, tree_attention_ref
 
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -42,6 +43,82 @@ def test_layer_attention_rejects_bad_shapes():
         layer_attention(q, torch.randn(2, 2, 4, 8), torch.randn(2, 2, 4, 8))
     with pytest.raises(ValueError, match="do not match q"):
         layer_attention(q, torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8))
+
+
+@pytest.mark.parametrize(
+    "n, layers, hkv, d, block_size, num_blocks, dtype",
+    [
+        (1, 1, 1, 16, 16, 1, torch.float32),  # size 1
+        (37, 3, 2, 64, 16, 5, torch.bfloat16),  # slots across block boundaries, bf16
+        (20, 5, 3, 24, 8, 7, torch.float32),  # non-power-of-two heads and head size
+        (48, 32, 8, 128, 16, 40, torch.bfloat16),  # Llama-3-8B's L, Hkv, D (interpreter: 48 tokens)
+    ],
+)
+def test_paged_layer_kv_matches_reference(n, layers, hkv, d, block_size, num_blocks, dtype):
+    """A pure copy: exact equality, no tolerance. Caches in vLLM's channel-split layout
+    [num_blocks, Hkv, block_size, 2D] (one allocation per layer), slots in random order."""
+    g = torch.Generator().manual_seed(n * 100 + layers)
+    shape = (num_blocks, hkv, block_size, 2 * d)
+    caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
+    keys, values = [c[..., :d] for c in caches], [c[..., d:] for c in caches]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    got = paged_layer_kv(keys, values, slots)
+    assert got.shape == (n, layers, hkv * 2 * d) and got.dtype == dtype
+    assert torch.equal(got, paged_layer_kv_ref(keys, values, slots))
+    # per layer [k_h0 | v_h0 | k_h1 | ...], as the drafter's LSA reads it
+    blk, off = slots[-1] // block_size, slots[-1] % block_size
+    assert torch.equal(got[-1, -1, d : 2 * d], caches[-1][blk, 0, off, d:])
+
+
+def test_paged_layer_kv_reads_split_kv_layouts():
+    """Other layouts through strides: K and V as separate [2, num_blocks, block_size, Hkv, D]
+    planes (token-major), as views [num_blocks, Hkv, block_size, D]."""
+    g = torch.Generator().manual_seed(3)
+    planes = [torch.randn(2, 6, 16, 4, 32, generator=g) for _ in range(4)]
+    keys = [p[0].transpose(1, 2) for p in planes]
+    values = [p[1].transpose(1, 2) for p in planes]
+    slots = torch.tensor([0, 15, 16, 95, 40], dtype=torch.int32)
+    assert torch.equal(paged_layer_kv(keys, values, slots), paged_layer_kv_ref(keys, values, slots))
+
+
+def test_paged_layer_kv_rejects_mismatched_layers():
+    caches = [torch.randn(3, 2, 16, 128) for _ in range(2)]
+    keys, values = [c[..., :64] for c in caches], [c[..., 64:] for c in caches]
+    slots = torch.arange(4)
+    with pytest.raises(ValueError, match="one key and one value cache per layer"):
+        paged_layer_kv(keys, values[:1], slots)
+    with pytest.raises(ValueError, match=r"key cache 1 is .* every layer must match key cache 0"):
+        paged_layer_kv([keys[0], keys[1].contiguous()], values, slots)
+    with pytest.raises(ValueError, match="slots must be a 1-D integer tensor"):
+        paged_layer_kv(keys, values, slots.float())
+
+
+def test_vllm_gather_uses_the_paged_kernel_when_enabled(monkeypatch):
+    """kv_reader.gather_layer_kv (the vLLM proposer's LSA read) launches the kernel once for all
+    layers of a channel-split backend when kernels are on, and returns what the per-layer PyTorch
+    gather returns."""
+    pytest.importorskip("vllm")
+    import vllm_moa.kernels.paged_layer_kv as kernel_module
+
+    from vllm_moa.vllm_plugin.kv_reader import gather_layer_kv
+
+    calls = []
+    real = kernel_module.paged_layer_kv
+
+    def spy(keys, values, slots):
+        calls.append(len(keys))
+        return real(keys, values, slots)
+
+    monkeypatch.setattr(kernel_module, "paged_layer_kv", spy)
+    g = torch.Generator().manual_seed(4)
+    caches = [torch.randn(4, 2, 16, 128, generator=g) for _ in range(3)]
+    slots = torch.tensor([5, 17, 63, 32])
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "0")
+    want = gather_layer_kv(caches, slots, "FLASH_ATTN")
+    assert not calls
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "1")
+    got = gather_layer_kv(caches, slots, "FLASH_ATTN")
+    assert calls == [3] and torch.equal(got, want)
 
 
 def _random_tree_mask(g, batch, m):
@@ -114,7 +191,11 @@ def test_gpu_benchmark_script_smoke(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert all(r["ok"] for r in report["layer_attention"] + report["tree_attention"])
+    assert all(
+        r["ok"]
+        for key in ("layer_attention", "tree_attention", "paged_layer_kv")
+        for r in report[key]
+    )
 
 
 def test_drafter_lsa_uses_the_kernel_when_enabled(llama_target, monkeypatch):

@@ -13,7 +13,11 @@ Keys are post-RoPE, as in Hugging Face's cache. Quantized (fp8) caches are refus
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+from vllm_moa.model.layers import use_kernels
 
 CHANNEL_SPLIT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
 BLOCK_SPLIT_BACKENDS = ("CPU_ATTN",)
@@ -125,6 +129,30 @@ def gather_kv(
         rows = kv_cache[blocks, :, offsets]  # [n, H, 2D]
         return rows[..., :head_size], rows[..., head_size:]
     raise ValueError(f"unsupported attention backend {backend!r}")
+
+
+def gather_layer_kv(
+    kv_caches: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    backend: str,
+    cpu_layout: CpuBlockLayout | None = None,
+) -> torch.Tensor:
+    """LSA's input: K|V rows [n, len(kv_caches), 2 * E_kv] (per layer `[k_h0|v_h0|k_h1|...]`) of
+    `slots` [n] from the caches of layers sharing one block table. With kernels on (CUDA; see
+    `use_kernels`) and a channel-split backend, one Triton launch reads every layer
+    (`vllm_moa.kernels.paged_layer_kv`); otherwise one PyTorch gather per layer."""
+    if backend in CHANNEL_SPLIT_BACKENDS and use_kernels(slots.device):
+        from vllm_moa.kernels.paged_layer_kv import paged_layer_kv
+
+        head_size = kv_caches[0].shape[-1] // 2
+        return paged_layer_kv(
+            [c[..., :head_size] for c in kv_caches], [c[..., head_size:] for c in kv_caches], slots
+        )
+    rows = []
+    for cache in kv_caches:
+        k, v = gather_kv(cache, slots, backend, cpu_layout)
+        rows.append(torch.stack([k, v], dim=2).flatten(1))  # [n, H * 2D]
+    return torch.stack(rows, dim=1)
 
 
 def gather_blocks(

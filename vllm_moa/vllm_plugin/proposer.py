@@ -38,7 +38,7 @@ from vllm_moa.vllm_plugin.kv_reader import (
     CpuBlockLayout,
     check_backend,
     gather_blocks,
-    gather_kv,
+    gather_layer_kv,
     slots_for_positions,
 )
 from vllm_moa.vllm_plugin.pages import DrafterPages, block_table, slot_grid
@@ -244,15 +244,20 @@ class MoAVllmProposer:
         """Target K|V rows [N, L, 2 * E_kv] (per layer [k_h0|v_h0|...]) for each request's
         position span, concatenated in request order."""
         assert self.target is not None
-        slots_by_group: dict[tuple[int, int], torch.Tensor] = {}
-        per_layer = []
-        layout = self._groups(runner, self.target.layer_names)
-        for attn, key in zip(self.target.attn_layers, layout, strict=True):
-            if key not in slots_by_group:
-                slots_by_group[key] = self._span_slots(key, block_ids, spans)
-            k, v = self._gather(attn, slots_by_group[key])
-            per_layer.append(torch.stack([k, v], dim=2).flatten(1))  # [N, H*2*D]
-        return torch.stack(per_layer, dim=1)
+        attns = self.target.attn_layers
+        keys = self._groups(runner, self.target.layer_names)
+        rows: list[torch.Tensor | None] = [None] * len(attns)
+        for key in dict.fromkeys(keys):  # each KV-cache group once, in order
+            members = [i for i, k in enumerate(keys) if k == key]
+            slots = self._span_slots(key, block_ids, spans)
+            got = gather_layer_kv(
+                [attns[i].kv_cache for i in members], slots, *self._cache_layout(attns[members[0]])
+            )
+            if len(members) == len(attns):
+                return got
+            for j, i in enumerate(members):
+                rows[i] = got[:, j]
+        return torch.stack(rows, dim=1)  # type: ignore[arg-type]
 
     def _span_slots(
         self,
@@ -267,10 +272,6 @@ class MoAVllmProposer:
                 for ids, (a, b) in zip(block_ids, spans, strict=True)
             ]
         )
-
-    def _gather(self, attn: Any, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [n, Hkv, D] of `slots` [n] from a target layer's paged cache."""
-        return gather_kv(attn.kv_cache, slots, *self._cache_layout(attn))
 
     def _gather_blocks(self, attn: Any, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V [B, n * block_size, Hkv, D] of whole blocks `table` [B, n]."""
