@@ -52,3 +52,24 @@ def test_testbed_ci_preset(tmp_path):
     for m in methods:  # every drafter drafts trees
         assert report["results"][m]["tree_d3_b2_m4"]["lossless"]
     assert results.with_suffix(".png").is_file()
+
+    # The memory ablation (benchmarks/memory_ablation.py) runs on the same testbed.
+    from benchmarks.memory_ablation import main as ablation
+
+    out = tmp_path / "ablation.json"
+    work = str(tmp_path / "w")
+    assert (
+        ablation(
+            ["--testbed", work, "--preset", "ci", "--prompts", str(prompts), "--out", str(out)]
+        )
+        == 0
+    )
+    figures = json.loads(out.read_text())["figures"]
+    # ci target: 3 layers, E = 2 * E_kv = 128, so every variant applies
+    assert set(figures) == {
+        "lsa (moa_tli0)", "hidden_final", "hidden_2", "hidden_1",
+        "lsa_last_layer", "lsa_last_row", "lsa_on_hidden_2", "hidden_2_small",
+    }  # fmt: skip
+    for f in figures.values():
+        assert all(0.0 <= a <= 1.0 for a in f["teacher_forced_agreement_per_stale_step"])
+    assert out.with_suffix(".png").is_file()

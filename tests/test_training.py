@@ -12,7 +12,7 @@ import torch
 from conftest import OracleMoAProposer, make_drafter
 
 from vllm_moa.decoding import SpeculativeEngine
-from vllm_moa.training.data import collate, load_examples
+from vllm_moa.training.data import Example, collate, load_examples
 from vllm_moa.training.methods import MoAMethod
 
 PROMPT = [3, 17, 99, 42, 7, 250, 8, 61, 5]
@@ -456,3 +456,38 @@ def test_ray_fan_out_builds_the_same_cache(tmp_path, tiny_target_dir):
     torch.testing.assert_close(a.layer_kv, b.layer_kv)
     torch.testing.assert_close(a.hidden_states[1], b.hidden_states[1])
     torch.testing.assert_close(a.logits, b.logits)
+
+
+def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
+    """MoAMethod(memory_layer=j) feeds a memory_source "hidden" drafter hidden_states[j] (the
+    ablation in benchmarks/memory_ablation.py), and Trainer(make_method=...) trains a method
+    built outside the product's --method choices."""
+    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.target import HFTarget, load_target_info
+    from vllm_moa.training import TrainConfig, Trainer
+
+    info = load_target_info(tiny_target_dir)
+    target = HFTarget.from_pretrained(tiny_target_dir)
+    drafter = MoADrafter(make_config(info, "small", memory_source="hidden"))
+    drafter.init_weights(0)
+    with pytest.raises(ValueError, match="memory_layer must be in"):
+        MoAMethod(drafter, target, memory_layer=info.shape.num_layers + 1)
+    method = MoAMethod(drafter, target, memory_layer=1)
+    assert 1 in method.hidden_layers
+    ids = torch.tensor([PROMPT])
+    batch = collate([Example(PROMPT, [False] * 3 + [True] * (len(PROMPT) - 3), 3)])
+    out = target.forward_batch(ids, method.hidden_layers)
+    limit = torch.arange(len(PROMPT))[None]
+    base = method.forward(batch, out, limit, None).logits
+    out.hidden_states[1] = out.hidden_states[1] + 1.0  # the memory it reads moves the logits
+    assert not torch.allclose(method.forward(batch, out, limit, None).logits, base)
+
+    data = tmp_path / "d.txt"
+    data.write_text("def f(x):\n    return x + 1\n" * 40)
+    cfg = TrainConfig(
+        target=tiny_target_dir, data=(str(data),), out=str(tmp_path / "run"), max_steps=2,
+        batch_size=2, max_length=32, log_every=1, eval_examples=0,
+    )  # fmt: skip
+    trainer = Trainer(cfg, make_method=lambda t: MoAMethod(drafter, t, memory_layer=1))
+    assert trainer.method.model is drafter and 1 in trainer.method.hidden_layers
+    assert (trainer.train() / "config.json").is_file()

@@ -48,7 +48,11 @@ class DraftMethod(Protocol):
 class MoAMethod:
     k_bounded = True
 
-    def __init__(self, drafter: MoADrafter, target: HFTarget) -> None:
+    def __init__(
+        self, drafter: MoADrafter, target: HFTarget, memory_layer: int | None = None
+    ) -> None:
+        """`memory_layer`: which hidden state (HF indexing) a memory_source "hidden" drafter reads;
+        default the final one (the -LSA ablation; the engine and vLLM serve only that)."""
         drafter.config.check_target(target.shape)
         self.drafter = drafter
         self.model: nn.Module = drafter
@@ -56,7 +60,13 @@ class MoAMethod:
         self.target = target
         self.tli = drafter.config.tli
         num_layers = target.shape.num_layers
-        self.hidden_layers: tuple[int, ...] = tuple(sorted({num_layers, num_layers - self.tli}))
+        self.memory_layer = num_layers if memory_layer is None else memory_layer
+        if not 0 <= self.memory_layer <= num_layers:
+            raise ValueError(f"memory_layer must be in [0, {num_layers}], got {memory_layer}")
+        needed = {num_layers, num_layers - self.tli}
+        if not drafter.uses_lsa:
+            needed.add(self.memory_layer)
+        self.hidden_layers: tuple[int, ...] = tuple(sorted(needed))
 
     def forward(
         self,
@@ -70,7 +80,7 @@ class MoAMethod:
         hidden = target_out.hidden_states
         dtype = self.drafter.cross_attention.dtype
         embeds = target.embed_tokens(batch.input_ids).to(dtype)
-        features = target_out.layer_kv if self.drafter.uses_lsa else hidden[num_layers]
+        features = target_out.layer_kv if self.drafter.uses_lsa else hidden[self.memory_layer]
         predicted = self.module(embeds, features.to(dtype), memory_limit, sa_from)
         if self.tli == 0:
             # The release trains the CA output against the final, normalised state.

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,14 @@ def lr_factor(step: int, cfg: TrainConfig) -> float:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, dist: DistContext | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        dist: DistContext | None = None,
+        make_method: Callable[[HFTarget], DraftMethod] | None = None,
+    ) -> None:
+        """`make_method` replaces the drafter `cfg` names (cfg.drafter / cfg.method) with a method
+        built on the loaded target: ablations outside the product's methods train through it."""
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -93,7 +101,7 @@ class Trainer:
         self.train_examples: list[Example] = examples[: len(examples) - held] or examples
         self.eval_examples: list[Example] = examples[len(examples) - held :]
         self.pad_id = tokenizer.pad_token_id or 0
-        self.method = build_method(cfg, self.target)
+        self.method = make_method(self.target) if make_method else build_method(cfg, self.target)
         self.method.model.to(self.dist.device)
         # Forward passes go through the (possibly DDP-wrapped) module so gradients sync.
         self.method.module = self.dist.wrap(self.method.model)
