@@ -299,7 +299,7 @@ def plot(path: Path, figures: dict[str, Any], lens: dict[int, float], num_layers
         ax.plot(range(1, len(agreement) + 1), agreement, "-o", label=name)
     ax.set_xlabel("draft position (stale steps + 1)")
     ax.set_ylabel("teacher-forced top-1 agreement")
-    ax.set_title("CA memory source (TLI=0, equal parameters)")
+    ax.set_title("CA memory source (TLI=0)")
     ax.legend(fontsize=8)
     ax2.plot([*lens, num_layers], [*lens.values(), 1.0], "-o")
     ax2.set_xlabel("layers run (j)")
