@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from benchmarks.positions import teacher_forced
-from benchmarks.testbed.drafters import build_drafters
+from benchmarks.testbed.drafters import build_drafters, drafter_train_config
 from benchmarks.testbed.evaluate import read_prompts, run_generations
 from benchmarks.testbed.presets import PRESETS
 from benchmarks.testbed.report import git_sha, machine
@@ -132,7 +132,7 @@ def train_variant(
 ) -> tuple[MoADrafter, dict[str, Any]]:
     """Train (or reload) one ablation drafter; returns it ready to evaluate, and its stats."""
     from vllm_moa.tiny import stdlib_sources
-    from vllm_moa.training import TrainConfig, Trainer
+    from vllm_moa.training import Trainer
 
     cfg = PRESETS[preset]
     target_dir = testbed / "target"
@@ -157,22 +157,7 @@ def train_variant(
         init = save_drafter(drafter, run / "init")
         t0 = time.perf_counter()
         Trainer(
-            TrainConfig(  # the testbed's drafter settings (benchmarks/testbed/__main__.py)
-                target=str(target_dir),
-                data=tuple(map(str, stdlib_sources(cfg.corpus_bytes))),
-                out=str(run),
-                max_steps=cfg.drafter_steps,
-                drafter=str(init),
-                seed=cfg.seed,
-                lr=cfg.drafter_lr,
-                batch_size=cfg.drafter_batch,
-                max_length=cfg.seq_len,
-                warmup_steps=max(1, cfg.drafter_steps // 20),
-                save_every=max(1, cfg.drafter_steps // 5),
-                log_every=max(1, cfg.drafter_steps // 50),
-                eval_examples=16,
-                resume=(run / "checkpoint.pt").is_file(),
-            ),
+            drafter_train_config(cfg, target_dir, stdlib_sources(cfg.corpus_bytes), run, init),
             make_method=lambda target: variant.method(drafter, target),
         ).train()
         stats = {

@@ -19,7 +19,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.testbed.drafters import METHODS, build_drafters
+from benchmarks.testbed.drafters import METHODS, build_drafters, drafter_train_config
 from benchmarks.testbed.evaluate import evaluate_all, read_prompts
 from benchmarks.testbed.presets import PRESETS, TestbedConfig
 from benchmarks.testbed.report import git_sha, write_report
@@ -57,7 +57,7 @@ def _drafters(
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.model import count_parameters
     from vllm_moa.target import load_target_info
-    from vllm_moa.training import TrainConfig, Trainer
+    from vllm_moa.training import Trainer
 
     target_dir = out / "target"
     info = load_target_info(target_dir)
@@ -70,24 +70,7 @@ def _drafters(
         if not done.is_file():
             init = save_drafter(drafter, out / "init" / name)
             t0 = time.perf_counter()
-            Trainer(
-                TrainConfig(
-                    target=str(target_dir),
-                    data=tuple(map(str, corpus)),
-                    out=str(run),
-                    max_steps=cfg.drafter_steps,
-                    drafter=str(init),
-                    seed=cfg.seed,
-                    lr=cfg.drafter_lr,
-                    batch_size=cfg.drafter_batch,
-                    max_length=cfg.seq_len,
-                    warmup_steps=max(1, cfg.drafter_steps // 20),
-                    save_every=max(1, cfg.drafter_steps // 5),
-                    log_every=max(1, cfg.drafter_steps // 50),
-                    eval_examples=16,
-                    resume=(run / "checkpoint.pt").is_file(),
-                )
-            ).train()
+            Trainer(drafter_train_config(cfg, target_dir, corpus, run, init)).train()
             done.write_text(
                 json.dumps(
                     {

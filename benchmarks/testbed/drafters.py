@@ -1,14 +1,17 @@
-"""The testbed's five drafters, sized to the same trainable parameter count."""
+"""The testbed's five drafters, sized to one trainable parameter count, and how each trains."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from torch import nn
 
+from benchmarks.testbed.presets import TestbedConfig
 from vllm_moa.model import MoADrafter, TargetInfo, count_parameters, make_config
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.presets import make_eagle_config, make_independent_config
+from vllm_moa.training.config import TrainConfig
 
 METHODS = ("moa_tli0", "moa_tli1", "moa_no_lsa", "eagle", "independent")
 
@@ -42,3 +45,25 @@ def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
     for d in drafters.values():
         d.init_weights(seed)  # type: ignore[operator]
     return drafters
+
+
+def drafter_train_config(
+    cfg: TestbedConfig, target_dir: Path, corpus: list[Path], run: Path, init: Path
+) -> TrainConfig:
+    """How the testbed trains every drafter (resuming from run/checkpoint.pt when present)."""
+    return TrainConfig(
+        target=str(target_dir),
+        data=tuple(map(str, corpus)),
+        out=str(run),
+        max_steps=cfg.drafter_steps,
+        drafter=str(init),
+        seed=cfg.seed,
+        lr=cfg.drafter_lr,
+        batch_size=cfg.drafter_batch,
+        max_length=cfg.seq_len,
+        warmup_steps=max(1, cfg.drafter_steps // 20),
+        save_every=max(1, cfg.drafter_steps // 5),
+        log_every=max(1, cfg.drafter_steps // 50),
+        eval_examples=16,
+        resume=(run / "checkpoint.pt").is_file(),
+    )
