@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -142,7 +143,7 @@ def bench_paged_layer_kv(n: int, dtype: torch.dtype, device: str, timing: bool) 
     keys, values = [c[..., :d] for c in caches], [c[..., d:] for c in caches]
     slots = torch.randperm(num_blocks * bs, device=device)[:n]
     got = paged_layer_kv(keys, values, slots)
-    row = {"tokens": n, "layers": layers, "kv_heads": hkv, "head_dim": d}
+    row: dict[str, Any] = {"tokens": n, "layers": layers, "kv_heads": hkv, "head_dim": d}
     row["ok"] = bool(torch.equal(got, paged_layer_kv_ref(keys, values, slots)))
     if timing:
         from triton.testing import do_bench
@@ -189,7 +190,7 @@ def main() -> int:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     timing = not args.smoke
     sizes = [2] if args.smoke else [1024, 4096]
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "kernels",
         "device": torch.cuda.get_device_name(0) if timing else "cpu",
         "torch": torch.__version__,

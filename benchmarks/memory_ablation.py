@@ -37,13 +37,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.positions import teacher_forced
+from benchmarks.positions import greedy_examples, teacher_forced
 from benchmarks.testbed.drafters import build_drafters, drafter_train_config
-from benchmarks.testbed.evaluate import read_prompts, run_generations
 from benchmarks.testbed.presets import PRESETS
-from benchmarks.testbed.report import git_sha, machine
+from benchmarks.testbed.report import save_json
 from vllm_moa.checkpoint import load_drafter, save_drafter
-from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.model import MoAConfig, MoADrafter, count_parameters
 from vllm_moa.target import HFTarget, load_target_info
 from vllm_moa.target.adapter import TargetOutput
@@ -205,14 +203,14 @@ def main(argv: list[str] | None = None) -> int:
 
     testbed = args.testbed.expanduser()
     target_dir = testbed / "target"
-    num_layers = load_target_info(target_dir).shape.num_layers
+    shape = load_target_info(target_dir).shape
+    num_layers = shape.num_layers
     layers = args.layers or [num_layers - 1, num_layers - 2]
     if not all(0 <= j < num_layers for j in layers):
         p.error(f"--layers must lie in [0, {num_layers - 1}] (the target has {num_layers} layers)")
     for name in ("moa_tli0", "moa_no_lsa"):
         if not (testbed / "drafters" / name / "drafter").is_dir():
             p.error(f"{testbed} has no trained {name}: run benchmarks.testbed on it first")
-    shape = load_target_info(target_dir).shape
     ablations = variants(
         layers, num_layers, shape.hidden_size == 2 * shape.num_kv_heads * shape.head_dim
     )
@@ -224,17 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = HFTarget.from_pretrained(target_dir)
-    budget = target.max_length - args.max_tokens - 1
-    prompts = [
-        tokenizer(t)["input_ids"][-budget:] for t in read_prompts(args.prompts, args.num_prompts)
-    ]
-    plain = run_generations(
-        SpeculativeEngine(target), prompts, args.max_tokens, 1, [tokenizer.eos_token_id]
+    _, _, examples = greedy_examples(
+        target, tokenizer, args.prompts, args.num_prompts, args.max_tokens
     )
-    examples = [
-        Example(p + o, [False] * len(p) + [True] * len(o), len(p))
-        for p, o in zip(prompts, plain["outputs"], strict=True)
-    ]
     figures: dict[str, Any] = {}
     runs = testbed / "drafters"
     evaluated: list[tuple[str, MoAMethod, dict[str, Any]]] = []
@@ -250,24 +240,17 @@ def main(argv: list[str] | None = None) -> int:
         print(name, [round(a, 3) for a in agreement], flush=True)
     lens = logit_lens(target, examples)
     print("logit lens", {j: round(a, 3) for j, a in lens.items()})
-    report = {
-        "benchmark": "memory_ablation",
-        "config": {
-            "testbed": str(args.testbed),
-            "preset": args.preset,
-            "layers": layers,
-            "prompts": str(args.prompts),
-            "num_prompts": args.num_prompts,
-            "max_tokens": args.max_tokens,
-            "k": args.k,
-        },
-        "git_sha": git_sha(),
-        "machine": machine(),
-        "figures": figures,
-        "logit_lens_agreement": lens,
+    config = {
+        "testbed": str(args.testbed),
+        "preset": args.preset,
+        "layers": layers,
+        "prompts": str(args.prompts),
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "k": args.k,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report = {"config": config, "figures": figures, "logit_lens_agreement": lens}
+    save_json(args.out, "memory_ablation", report)
     plot(args.out.with_suffix(".png"), figures, lens, num_layers)
     return 0
 

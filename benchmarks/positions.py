@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.testbed.evaluate import read_prompts, run_generations
-from benchmarks.testbed.report import git_sha, machine
+from benchmarks.testbed.report import save_json
 from vllm_moa.checkpoint import load_drafter
 from vllm_moa.decoding import SpeculativeEngine, make_proposer
 from vllm_moa.target import HFTarget
@@ -54,6 +54,23 @@ def teacher_forced(method: Any, target: HFTarget, examples: list[Example], k: in
     return (hits / counts.clamp_min(1)).tolist()
 
 
+def greedy_examples(
+    target: HFTarget, tokenizer: Any, prompts_path: Path, num_prompts: int, max_tokens: int
+) -> tuple[list[list[int]], dict[str, Any], list[Example]]:
+    """The prompts (token ids, left-truncated to fit), the target's plain greedy run on them, and
+    prompt + continuation as examples scored on the continuation: the text the engine sees."""
+    budget = target.max_length - max_tokens - 1
+    prompts = [tokenizer(t)["input_ids"][-budget:] for t in read_prompts(prompts_path, num_prompts)]
+    plain = run_generations(
+        SpeculativeEngine(target), prompts, max_tokens, 1, [tokenizer.eos_token_id]
+    )
+    examples = [
+        Example(p + o, [False] * len(p) + [True] * len(o), len(p))
+        for p, o in zip(prompts, plain["outputs"], strict=True)
+    ]
+    return prompts, plain, examples
+
+
 def conditional(per_position: list[float]) -> list[float]:
     """P(accepted at j | accepted at j - 1) from unconditional per-position acceptance."""
     out, prev = [], 1.0
@@ -79,15 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = HFTarget.from_pretrained(args.target)
-    budget = target.max_length - args.max_tokens - 1
-    texts = read_prompts(args.prompts, args.num_prompts)
-    prompts = [tokenizer(t)["input_ids"][-budget:] for t in texts]
     eos = [tokenizer.eos_token_id]
-    plain = run_generations(SpeculativeEngine(target), prompts, args.max_tokens, 1, eos)
-    examples = [
-        Example(p + o, [False] * len(p) + [True] * len(o), len(p))
-        for p, o in zip(prompts, plain["outputs"], strict=True)
-    ]
+    prompts, plain, examples = greedy_examples(
+        target, tokenizer, args.prompts, args.num_prompts, args.max_tokens
+    )
     figures: dict[str, Any] = {}
     for spec in args.drafter:
         name, _, path = spec.partition("=")
@@ -106,22 +118,15 @@ def main(argv: list[str] | None = None) -> int:
             "lossless": run["outputs"] == plain["outputs"],
         }
         print(name, json.dumps({k: v for k, v in figures[name].items()}, default=str))
-    report = {
-        "benchmark": "positions",
-        "config": {
-            "target": str(args.target),
-            "drafters": args.drafter,
-            "prompts": str(args.prompts),
-            "num_prompts": args.num_prompts,
-            "max_tokens": args.max_tokens,
-            "k": args.k,
-        },
-        "git_sha": git_sha(),
-        "machine": machine(),
-        "figures": figures,
+    config = {
+        "target": str(args.target),
+        "drafters": args.drafter,
+        "prompts": str(args.prompts),
+        "num_prompts": args.num_prompts,
+        "max_tokens": args.max_tokens,
+        "k": args.k,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    save_json(args.out, "positions", {"config": config, "figures": figures})
     plot(args.out.with_suffix(".png"), figures, args.k)
     return 0
 

@@ -14,7 +14,9 @@ fused further into LSA: LSA's RMSNorm and q/k/v projections (GEMMs) sit between 
 and the layer-axis attention (`layer_attention.py`), and the mean over layers comes after LSA's
 MLP, so neither fuses with the attention.
 Slots are not range-checked on the device (that would cost a host sync per call): callers pass
-slots from the scheduler's block tables, as vLLM's own cache kernels assume.
+slots from the scheduler's block tables, as vLLM's own cache kernels assume. The base-pointer
+tables are built once per set of caches (a host-to-device copy waits for the device; vLLM's
+caches never move, so later calls reuse them).
 """
 
 from __future__ import annotations
@@ -28,6 +30,22 @@ try:
     import triton.language as tl
 except ImportError:  # the reference below still works
     triton = None
+
+
+_POINTER_TABLES: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+
+
+def _pointer_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 [L] of the caches' base addresses on their device (a pure function of the
+    addresses, so a cached table is never stale)."""
+    key = (caches[0].device, tuple(c.data_ptr() for c in caches))
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if len(_POINTER_TABLES) >= 64:  # bounded: serving uses a handful of cache sets
+            _POINTER_TABLES.clear()
+        table = torch.tensor(key[1], dtype=torch.int64, device=key[0])
+        _POINTER_TABLES[key] = table
+    return table
 
 
 def paged_layer_kv_ref(
@@ -132,13 +150,9 @@ def paged_layer_kv(
     )
     if slots.shape[0] == 0:
         return out
-    key_table, value_table = (
-        torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=first.device)
-        for caches in (key_caches, value_caches)
-    )
     _paged_layer_kv_kernel[(slots.shape[0], layers)](
-        key_table,
-        value_table,
+        _pointer_table(key_caches),
+        _pointer_table(value_caches),
         slots,
         out,
         first.stride(0),

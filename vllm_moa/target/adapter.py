@@ -280,10 +280,10 @@ class HFTarget:
         wanted = set(hidden_layers)
         if use_kernels(self.device) and tree_kernel.routable(self.config, self._windows):
             # CUDA: our tree-masked attention kernel instead of SDPA over a dense mask.
-            tree_mask = allowed.to(self.device)
+            args = tree_kernel.kernel_args(allowed, start, self.device)
             with tree_kernel.tree_kernel_attention(self.config):
                 h, hidden = self._forward_hidden(
-                    h, positions, self.cache, wanted, mask_for, moa_tree_mask=tree_mask
+                    h, positions, self.cache, wanted, mask_for, **{tree_kernel.KWARG: args}
                 )
         else:
             h, hidden = self._forward_hidden(h, positions, self.cache, wanted, mask_for)

@@ -12,12 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 NAME = "vllm_moa_tree"
-MASK_KWARG = "moa_tree_mask"
+KWARG = "moa_tree"
+
+
+@dataclass
+class TreeKernelArgs:
+    """What every layer's kernel call shares in one tree verification (built once, on device)."""
+
+    mask: torch.Tensor  # bool [1, T, T]: node i sees node j (self / ancestors)
+    prefix: int  # cached tokens before the tree (every layer: no sliding windows here)
+    num_nodes: torch.Tensor  # [1] = T
+    prefix_lens: torch.Tensor  # [1] = prefix
+    page_table: torch.Tensor  # int32 [1, 1]: the layer's cache is one page
+
+
+def kernel_args(allowed: torch.Tensor, prefix: int, device: torch.device) -> TreeKernelArgs:
+    nodes = allowed.shape[0]
+    return TreeKernelArgs(
+        mask=allowed.to(device)[None],
+        prefix=prefix,
+        num_nodes=torch.full((1,), nodes, device=device),
+        prefix_lens=torch.full((1,), prefix, device=device),
+        page_table=torch.zeros(1, 1, dtype=torch.int32, device=device),
+    )
 
 
 def routable(target_config: Any, windows: list[int | None]) -> bool:
@@ -44,8 +67,8 @@ def tree_attention_forward(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    tree_mask = kwargs.pop(MASK_KWARG, None)
-    if tree_mask is None or query.shape[0] != 1 or not _kernel_applies(module, query):
+    args: TreeKernelArgs | None = kwargs.pop(KWARG, None)
+    if args is None or query.shape[0] != 1 or not _kernel_applies(module, query):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(
@@ -53,21 +76,20 @@ def tree_attention_forward(
         )
     from vllm_moa.kernels.tree_attention import tree_attention
 
-    nodes = query.shape[2]
-    prefix = key.shape[2] - nodes
-    device = query.device
+    prefix = args.prefix
+    assert key.shape[2] == prefix + query.shape[2], "the layer's cache is not prefix + tree"
     pages_k = key[0].transpose(0, 1)[None]  # [1 page, P + T, Hkv, D]: one page, no copy
     pages_v = value[0].transpose(0, 1)[None]
     out = tree_attention(
         query.transpose(1, 2),
         key[:, :, prefix:].transpose(1, 2),
         value[:, :, prefix:].transpose(1, 2),
-        tree_mask[None],
-        torch.tensor([nodes], device=device),
+        args.mask,
+        args.num_nodes,
         pages_k,
         pages_v,
-        torch.zeros(1, 1, dtype=torch.int32, device=device),
-        torch.tensor([prefix], device=device),
+        args.page_table,
+        args.prefix_lens,
     )
     return out, None  # [1, T, H, D], as HF attention functions return
 
