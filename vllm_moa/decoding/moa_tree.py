@@ -2,7 +2,7 @@
 
 Each expanded candidate's SA query sees the verified prefix and its ancestors, its CA query sees
 every memory row (< p), and with TLI the target's last layers see their verified cache plus the
-root's and the ancestors' draft K/V.
+root's and the ancestors' draft K/V (within each layer's sliding window, if it has one).
 """
 
 from __future__ import annotations
@@ -48,9 +48,12 @@ class MoATreeDrafter(TreeSearch):
         h = prop.drafter.cross_attention(h, positions, mem_k, mem_v, None)[0]  # [f, E]
         if prop.tli:
             tail = range(target.shape.num_layers - prop.tli, target.shape.num_layers)
-            mask = target.additive_mask(allowed)[None, None]
-            h = target.run_layers(
-                h[None].to(target.dtype), positions, tail, self.tail, lambda i: mask
-            )
+            keys = self.key_positions(p + 1, p).to(device)
+
+            def mask_for(i: int) -> torch.Tensor:  # ancestors, within i's sliding window
+                ok = allowed & target.causal_allowed(i, positions, keys)
+                return target.additive_mask(ok)[None, None]
+
+            h = target.run_layers(h[None].to(target.dtype), positions, tail, self.tail, mask_for)
             h = target.norm(h)[0]
         return target.lm_logits(h.to(target.dtype))

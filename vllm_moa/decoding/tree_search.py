@@ -102,3 +102,9 @@ class TreeSearch:
                 allowed[r, prefix_len + self.slot[a]] = True
                 a = self.parent[a]
         return allowed
+
+    def key_positions(self, prefix_len: int, base: int) -> torch.Tensor:
+        """Positions [prefix + expanded] of `visible`'s columns: 0.. for the prefix, then
+        base + depth for each expanded candidate, in row order."""
+        rows = sorted(self.slot, key=self.slot.__getitem__)
+        return torch.tensor([*range(prefix_len), *(base + self.depth[c] for c in rows)])
