@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _import_kernels() -> None:
+def import_kernels() -> None:
     """`vllm_moa.kernels` from an install, else from this checkout's kernels/ folder."""
     sys.path.insert(0, str(ROOT))
     try:
@@ -185,7 +185,7 @@ def main() -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
         sys.exit("no CUDA GPU: run with --smoke to check the script on CPU")
-    _import_kernels()
+    import_kernels()
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     timing = not args.smoke

@@ -23,7 +23,9 @@ of the next token the first j layers have decided. If MoA's LSA trailed the fina
 because LSA never sees the last layer's computation, `hidden_{L-1}` would fall to LSA's level;
 the `lsa_*` variants locate what else LSA loses (the pooling over layers, or its processing),
 and `hidden_{L-1}_small` (`hidden_{L-1}` with MoA TLI=0's smaller SA/CA MLPs, i.e. without the
-parameters LSA + Ekv2E take from the equal budget) what that budget share costs.
+parameters LSA + Ekv2E take from the equal budget) what that budget share costs, and `lsa_slim`
+(MoA TLI=0 with LSA's MLP cut to 32, SA/CA MLPs grown back to the same total: LSA + Ekv2E 25% of
+the budget instead of 38%) whether giving LSA a smaller share recovers it.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ def variants(hidden: list[int], num_layers: int, square: bool) -> dict[str, Vari
         out[f"lsa_on_hidden_{j}"] = Variant("moa_tli0", memory_layer=j, lsa_on_hidden=True)
     # hidden_{L-1} with MoA TLI=0's SA/CA sizes: what the parameters LSA takes cost SA and CA
     out[f"hidden_{j}_small"] = Variant("moa_no_lsa", memory_layer=j, mlp_of="moa_tli0")
+    # MoA with a slimmer LSA (MLP 32), its parameters moved to SA/CA at the same total
+    out["lsa_slim"] = Variant("moa_tli0_slim")
     return out
 
 

@@ -19,7 +19,12 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.testbed.drafters import METHODS, build_drafters, drafter_train_config
+from benchmarks.testbed.drafters import (
+    METHODS,
+    SLIM_METHODS,
+    build_drafters,
+    drafter_train_config,
+)
 from benchmarks.testbed.evaluate import evaluate_all, read_prompts
 from benchmarks.testbed.presets import PRESETS, TestbedConfig
 from benchmarks.testbed.report import git_sha, write_report
@@ -94,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, help="work directory (cached stages)")
     p.add_argument("--results", default=None, help="results JSON path (PNG beside it)")
     p.add_argument("--extra-text", nargs="*", default=[], help="more training text files")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=[*METHODS, *SLIM_METHODS],
+        default=list(METHODS),
+        help=f"default: the five of the issue; {', '.join(SLIM_METHODS)}: MoA with a slim LSA",
+    )
     p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
     p.add_argument(
         "--tree",

@@ -182,14 +182,8 @@ class SpeculativeEngine:
         """One tree draft + verify cycle from `last` at `position`; returns the emitted tokens."""
         assert isinstance(self.proposer, TreeProposer)  # checked in generate()
         draft = self.proposer.propose_tree(last, depth, tree.breadth, tree.budget)
-        m = draft.size
-        allowed = torch.zeros(m + 1, m + 1, dtype=torch.bool)
-        allowed[:, 0] = True  # every node sees the root token
-        allowed[1:, 1:] = draft.ancestor_mask()
-        positions = torch.tensor([position] + [position + d for d in draft.depths()])
-        out = self.target.forward_tree(
-            torch.tensor([last, *draft.tokens]), positions, allowed, self.proposer.hidden_layers
-        )
+        ids, positions, allowed = draft.verification_inputs(last, position)
+        out = self.target.forward_tree(ids, positions, allowed, self.proposer.hidden_layers)
         if params.greedy:
             verdict = verify_tree_greedy(draft, out.logits)
         else:

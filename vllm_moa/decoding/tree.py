@@ -66,6 +66,19 @@ class DraftTree:
                 mask[i] |= mask[p]
         return mask
 
+    def verification_inputs(
+        self, root_token: int, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The target pass that verifies this tree below `root_token` at `position`: token ids
+        [m+1] (root first), positions [m+1] (a node: position + its depth) and bool [m+1, m+1]
+        (every node sees the root, itself and its ancestors)."""
+        m = self.size
+        allowed = torch.zeros(m + 1, m + 1, dtype=torch.bool)
+        allowed[:, 0] = True
+        allowed[1:, 1:] = self.ancestor_mask()
+        positions = torch.tensor([position] + [position + d for d in self.depths()])
+        return torch.tensor([root_token, *self.tokens]), positions, allowed
+
 
 def eagle2_tree(
     expand: list[tuple[int, list[int], list[float]]],
