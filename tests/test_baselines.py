@@ -191,21 +191,26 @@ def test_breadth_one_tree_is_the_greedy_chain(target, kind):
         assert tree.tokens == proposal.tokens[: tree.size]
 
 
-@pytest.mark.parametrize("kind", ["moa", "eagle", "independent"])
+@pytest.mark.parametrize("kind", ["moa", "moa_sliding_window", "eagle", "independent"])
 def test_tree_node_scores_are_forced_chain_log_probs(target, kind, monkeypatch):
     """Breadth 3: every node's joint log-probability equals the one a fresh chain proposer gives
     its path when forced to draft exactly those tokens, so each expanded node saw the prefix and
-    its own ancestors only (and EAGLE its parent's predicted feature)."""
+    its own ancestors only (and EAGLE its parent's predicted feature). moa_sliding_window: a
+    mistral target (window 7) past its window, TLI=2: the tree's tail layers honour the window
+    as the chain's do."""
     import vllm_moa.decoding.baseline_proposers as bp
     import vllm_moa.decoding.moa_proposer as mp
 
-    if kind == "moa":
+    prompt = [1, 5, 3, 7, 7, 2]
+    if kind.startswith("moa"):
         from conftest import make_drafter
 
-        drafter = make_drafter(target, tli=1, seed=3)
+        if kind == "moa_sliding_window":
+            target = HFTarget(make_hf_model("mistral", vocab_size=VOCAB, seed=4))
+            prompt = prompt * 2
+        drafter = make_drafter(target, tli=2 if kind == "moa_sliding_window" else 1, seed=3)
     else:
         drafter = _drafter(kind, target)
-    prompt = [1, 5, 3, 7, 7, 2]
 
     def started():
         proposer = make_proposer(drafter, target)

@@ -41,3 +41,20 @@ def test_rows_view_any_dense_layout():
     pages.layers = [SimpleNamespace(kv_cache=base[:, :2], layer_name="p.0")]  # not dense
     with pytest.raises(RuntimeError, match="not one dense buffer"):
         pages._rows(0)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)],
+)
+def test_upload_copies_host_ints_to_the_device(device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from vllm_moa.vllm_plugin.uploads import upload
+
+    ids = upload([3, 1, 2], device)
+    assert ids.device.type == device and ids.dtype == torch.long
+    assert ids.cpu().tolist() == [3, 1, 2]
+    host = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    moved = upload(host, device)
+    assert moved.dtype == torch.int32 and torch.equal(moved.cpu(), host)

@@ -186,31 +186,3 @@ def test_engine_tree_sampling_preserves_the_target_distribution(monkeypatch, los
         a, b, c = r.token_ids[1:]
         counts[(a * 4 + b) * 4 + c] += 1
     assert (ts._chi2_pvalue(counts, marginal) > 1e-3) == lossless
-
-
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_a_one_wide_tree_drafts_the_chain(arch):
-    """Breadth 1 is the greedy chain: same tokens, and joint log-probabilities equal to the
-    chain's summed draft log-probabilities, with TLI too; on a sliding-window target (mistral,
-    window 7) past the window, so the tree's TLI layers must honour it as the chain's do."""
-    target = HFTarget(make_hf_model(arch, vocab_size=32, seed=4))
-    prompt = list(range(1, 20))
-    for tli in (0, 1, 2):
-        drafter = make_drafter(target, tli=tli, seed=tli)
-        proposer = MoAProposer(drafter, target)
-        proposer.start(prompt[:-1], target_prefill(target, prompt[:-1]))
-        chain = proposer.propose(prompt[-1], 5, SamplingParams(), None)
-        proposer = MoAProposer(drafter, target)
-        proposer.start(prompt[:-1], target_prefill(target, prompt[:-1]))
-        tree = proposer.propose_tree(prompt[-1], depth=5, breadth=1, budget=5)
-        assert tree.tokens == chain.tokens
-        assert tree.parents == [-1, 0, 1, 2, 3]
-        steps = chain.logits.log_softmax(-1)[torch.arange(5), torch.tensor(chain.tokens)]
-        torch.testing.assert_close(
-            torch.tensor(tree.log_probs), steps.cumsum(0), atol=1e-4, rtol=1e-4
-        )
-
-
-def target_prefill(target, prompt):
-    target.reset()
-    return target.forward(torch.tensor(prompt), hidden_layers=[target.shape.num_layers])

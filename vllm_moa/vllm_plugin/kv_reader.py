@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from vllm_moa.model.layers import use_kernels
+from vllm_moa.vllm_plugin.uploads import upload
 
 CHANNEL_SPLIT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
 BLOCK_SPLIT_BACKENDS = ("CPU_ATTN",)
@@ -202,4 +203,4 @@ def slots_for_positions(
     """Slots of token positions start..end-1 of a request whose blocks are `block_ids`."""
     positions = torch.arange(start, end)
     blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
-    return (blocks * block_size + positions % block_size).to(device)
+    return upload(blocks * block_size + positions % block_size, device)

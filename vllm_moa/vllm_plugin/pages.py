@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from vllm_moa.vllm_plugin.uploads import upload
+
 LAYER_PREFIX = "vllm_moa.pages"
 
 
@@ -129,5 +131,4 @@ def slot_grid(
     point at its first block: garbage, which callers mask out by length)."""
     table = block_table(block_ids, block_size, width)
     positions = torch.arange(width)
-    slots = table[:, positions // block_size] * block_size + positions % block_size
-    return slots.to(device)
+    return upload(table[:, positions // block_size] * block_size + positions % block_size, device)

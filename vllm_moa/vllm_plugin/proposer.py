@@ -43,6 +43,7 @@ from vllm_moa.vllm_plugin.kv_reader import (
 )
 from vllm_moa.vllm_plugin.pages import DrafterPages, block_table, slot_grid
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
+from vllm_moa.vllm_plugin.uploads import upload
 
 logger = logging.getLogger("vllm_moa")
 
@@ -314,17 +315,15 @@ class MoAVllmProposer:
         block_ids = [s.block_ids for s in states]
         group_key = self._page_key(runner)
         # SA: K/V of a position depends on its token only; one projection for all pending.
-        ids = torch.tensor([t for p in pending for t in p], device=self.device)
-        positions = torch.cat([torch.arange(a, b + 1) for a, b in spans]).to(self.device)
+        ids = upload([t for p in pending for t in p], self.device)
+        positions = upload(torch.cat([torch.arange(a, b + 1) for a, b in spans]), self.device)
         sa_k, sa_v = drafter.self_attention.kv_from(
             target.embed(ids).to(self._dtype)[None], positions
         )  # [1, Hkv, P, D]
-        # Row indices (host-built, so no device sync): each request's last token, and the rest.
+        # Row indices (host-built: no device sync): each request's last token, and the rest.
         ends = [end - 1 for end in itertools.accumulate(len(p) for p in pending)]
-        last_rows = torch.tensor(ends, device=self.device)
-        verified_rows = torch.tensor(
-            sorted(set(range(len(ids))) - set(ends)), dtype=torch.long, device=self.device
-        )
+        last_rows = upload(ends, self.device)
+        verified_rows = upload(sorted(set(range(len(ids))) - set(ends)), self.device)
         todo = [i for i, (a, b) in enumerate(spans) if b > a]
         if todo:
             new_spans = [spans[i] for i in todo]
@@ -334,7 +333,7 @@ class MoAVllmProposer:
             layer_kv = self._read_layer_kv(runner, new_blocks, new_spans)
             memory = drafter.encode_memory(layer_kv.to(self._dtype))  # [N, E]
             mem_positions = torch.cat([torch.arange(a, b) for a, b in new_spans])
-            k, v = drafter.memory_kv(memory[None], mem_positions.to(self.device))
+            k, v = drafter.memory_kv(memory[None], upload(mem_positions, self.device))
             pages.write("memory", slots, kv_rows(k, v))
             for i in todo:
                 states[i].written = spans[i][1]
@@ -353,7 +352,7 @@ class MoAVllmProposer:
         drafter, target, pages = self.drafter, self.target, self.pages
         assert drafter is not None and target is not None and pages is not None
         sa = drafter.self_attention
-        verified = torch.tensor([s.written for s in states], device=self.device)
+        verified = upload([s.written for s in states], self.device)
         # room for this cycle's drafted positions (from host ints: no device sync)
         width = max(s.written for s in states) + steps
         group, block_size = self._page_key(runner)
@@ -370,7 +369,7 @@ class MoAVllmProposer:
         )
         memory_mask = memory.mask  # fixed for the whole draft (memory rows never grow in it)
         tail = self._tail_batch(runner, [s.block_ids for s in states], width, verified)
-        query = target.embed(torch.tensor([p[-1] for p in pending], device=self.device))
+        query = target.embed(upload([p[-1] for p in pending], self.device))
         query = query.to(self._dtype)[:, None]  # [B, 1, E]
         positions = verified[:, None].clone()  # each last token's position
         drafted: list[torch.Tensor] = []
@@ -410,8 +409,8 @@ class MoAVllmProposer:
         attns = self.target.attn_layers[-tli:]
         keys = self._groups(runner, [a.layer_name for a in attns])
         tables = {
-            (group, size): block_table([ids[group] for ids in block_ids], size, width).to(
-                self.device
+            (group, size): upload(
+                block_table([ids[group] for ids in block_ids], size, width), self.device
             )
             for group, size in set(keys)
         }
