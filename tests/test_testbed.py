@@ -1,4 +1,5 @@
-"""The testbed's `ci` preset runs the whole chain: target, five drafters, evaluation, report."""
+"""The testbed's `ci` preset runs the whole chain: target, seven drafters (the five and the two
+slim-LSA MoA), evaluation, report; then the memory ablation on it."""
 
 import gzip
 import json
@@ -12,6 +13,7 @@ SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "HumanEval.js
 @pytest.mark.slow
 def test_testbed_ci_preset(tmp_path):
     from benchmarks.testbed.__main__ import main
+    from benchmarks.testbed.drafters import METHODS, SLIM_METHODS
 
     prompts = SHARED
     if not prompts.is_file():  # outside this workspace: two prompts of the same format
@@ -35,13 +37,16 @@ def test_testbed_ci_preset(tmp_path):
                 "3",
                 "2",
                 "4",
+                "--methods",
+                *METHODS,
+                *SLIM_METHODS,
             ]
         )
         == 0
     )
     report = json.loads(results.read_text())
     assert report["git_sha"] and report["machine"]["cpu_count"]
-    methods = {"moa_tli0", "moa_tli1", "moa_no_lsa", "eagle", "independent"}
+    methods = {*METHODS, *SLIM_METHODS}
     assert set(report["results"]) == methods | {"plain"}
     params = [report["drafter_training"][m]["parameters"] for m in methods]
     assert max(params) / min(params) < 1.02  # equal trainable parameter counts
@@ -68,7 +73,7 @@ def test_testbed_ci_preset(tmp_path):
     # ci target: 3 layers, E = 2 * E_kv = 128, so every variant applies
     assert set(figures) == {
         "lsa (moa_tli0)", "hidden_final", "hidden_2", "hidden_1",
-        "lsa_last_layer", "lsa_last_row", "lsa_on_hidden_2", "hidden_2_small",
+        "lsa_last_layer", "lsa_last_row", "lsa_on_hidden_2", "hidden_2_small", "lsa_slim",
     }  # fmt: skip
     for f in figures.values():
         assert all(0.0 <= a <= 1.0 for a in f["teacher_forced_agreement_per_stale_step"])
