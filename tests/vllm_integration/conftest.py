@@ -115,3 +115,70 @@ def spec_metrics(llm) -> dict[str, object]:
         if m.name.startswith("vllm:spec_decode"):
             out[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
     return out
+
+
+def greedy(max_tokens: int = 40):
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def standalone_drafts(target_dir, drafter_dir, prompt_ids, max_tokens, k):
+    """{context tokens: drafted chain} from the standalone engine (fp32), and its outputs."""
+    import torch
+
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.decoding import SpeculativeEngine
+    from vllm_moa.decoding.factory import make_proposer
+    from vllm_moa.target.adapter import HFTarget
+
+    target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)
+    drafter = load_drafter(drafter_dir, target=target.shape, dtype=torch.float32)
+    proposer = make_proposer(drafter, target)
+    seen: dict[tuple[int, ...], list[int]] = {}
+    original = proposer.propose
+
+    def recording(last_token, num_tokens, params, generator):
+        proposal = original(last_token, num_tokens, params, generator)
+        seen[(*proposer.tokens, last_token)] = list(proposal.tokens)
+        return proposal
+
+    proposer.propose = recording  # type: ignore[method-assign]
+    engine = SpeculativeEngine(target, proposer)
+    outputs = [
+        engine.generate(ids, max_tokens, num_speculative_tokens=k).token_ids for ids in prompt_ids
+    ]
+    return seen, outputs
+
+
+def check_drafts_equal_standalone(
+    target, drafter, prompts, tmp_path, monkeypatch, k=4, max_tokens=32
+):
+    """Greedy `prompts` through vLLM with MoA: outputs equal the standalone engine's, every chain
+    the engine drafts vLLM drafts at the same context (traced), and vLLM drafts from no other
+    context but its requests' last cycles. Returns the LLM (for its metrics)."""
+    import json
+
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("VLLM_MOA_TRACE", str(trace))
+    llm = make_llm(target, drafter, k=k)
+    tokenizer = llm.get_tokenizer()
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], greedy(max_tokens))
+    vllm_drafts = {}
+    for line in trace.read_text().splitlines():
+        rec = json.loads(line)
+        vllm_drafts[tuple(rec["tokens"])] = rec["drafts"]
+    ref_drafts, ref_outputs = standalone_drafts(target, drafter, prompt_ids, max_tokens, k)
+    assert [list(o.outputs[0].token_ids) for o in outs] == ref_outputs
+    # vLLM drafts a full chain even when fewer tokens remain; the engine trims its last cycle.
+    for context, chain in ref_drafts.items():
+        assert context in vllm_drafts, "vLLM skipped a cycle the standalone engine ran"
+        assert vllm_drafts[context][: len(chain)] == chain, f"chains differ after {len(context)}"
+    # Contexts only vLLM drafted from: the last cycles, where the engine stops drafting (vLLM
+    # drafts for a request until the scheduler sees it finished).
+    prompt_len = {tuple(ids): len(ids) for ids in prompt_ids}
+    for context in set(vllm_drafts) - set(ref_drafts):
+        generated = next(len(context) - n for p, n in prompt_len.items() if context[:n] == p)
+        assert generated >= max_tokens - k, (generated, context)
+    return llm

@@ -8,7 +8,12 @@ import json
 import pytest
 import torch
 
-from tests.vllm_integration.conftest import make_llm, spec_metrics
+from tests.vllm_integration.conftest import (
+    check_drafts_equal_standalone,
+    greedy,
+    make_llm,
+    spec_metrics,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -27,67 +32,13 @@ PROMPTS = [
 ]
 
 
-def _greedy(max_tokens: int = 40):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def _standalone_drafts(target_dir, drafter_dir, prompt_ids, max_tokens, k):
-    """{context tokens: drafted chain} from the standalone engine (fp32), and its outputs."""
-    from vllm_moa.checkpoint import load_drafter
-    from vllm_moa.decoding import SpeculativeEngine
-    from vllm_moa.decoding.factory import make_proposer
-    from vllm_moa.target.adapter import HFTarget
-
-    target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)
-    drafter = load_drafter(drafter_dir, target=target.shape, dtype=torch.float32)
-    proposer = make_proposer(drafter, target)
-    seen: dict[tuple[int, ...], list[int]] = {}
-    original = proposer.propose
-
-    def recording(last_token, num_tokens, params, generator):
-        proposal = original(last_token, num_tokens, params, generator)
-        seen[(*proposer.tokens, last_token)] = list(proposal.tokens)
-        return proposal
-
-    proposer.propose = recording  # type: ignore[method-assign]
-    engine = SpeculativeEngine(target, proposer)
-    outputs = [
-        engine.generate(ids, max_tokens, num_speculative_tokens=k).token_ids for ids in prompt_ids
-    ]
-    return seen, outputs
-
-
 @pytest.mark.parametrize("tli", [0, 1])
 def test_drafts_equal_standalone_engine(moa_pair, tmp_path, monkeypatch, tli):
     """Same target and drafter weights: every chain vLLM drafts equals the standalone engine's
     at the same context, and both visit the same contexts (so acceptance matches too)."""
-    trace = tmp_path / "trace.jsonl"
-    monkeypatch.setenv("VLLM_MOA_TRACE", str(trace))
-    k, max_tokens = 4, 32
-    llm = make_llm(moa_pair["target"], moa_pair[f"tli{tli}"], k=k)
-    tokenizer = llm.get_tokenizer()
-    prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], _greedy(32))
-    vllm_drafts = {}
-    for line in trace.read_text().splitlines():
-        rec = json.loads(line)
-        vllm_drafts[tuple(rec["tokens"])] = rec["drafts"]
-    ref_drafts, ref_outputs = _standalone_drafts(
-        moa_pair["target"], moa_pair[f"tli{tli}"], prompt_ids, max_tokens, k
+    llm = check_drafts_equal_standalone(
+        moa_pair["target"], moa_pair[f"tli{tli}"], PROMPTS[:6], tmp_path, monkeypatch
     )
-    assert [list(o.outputs[0].token_ids) for o in outs] == ref_outputs
-    # vLLM drafts a full chain even when fewer tokens remain; the engine trims its last cycle.
-    for context, chain in ref_drafts.items():
-        assert context in vllm_drafts, "vLLM skipped a cycle the standalone engine ran"
-        assert vllm_drafts[context][: len(chain)] == chain
-    # Contexts only vLLM drafted from: the last cycles, where the engine stops drafting (vLLM
-    # drafts for a request until the scheduler sees it finished).
-    prompt_len = {tuple(ids): len(ids) for ids in prompt_ids}
-    for context in set(vllm_drafts) - set(ref_drafts):
-        generated = next(len(context) - n for p, n in prompt_len.items() if context[:n] == p)
-        assert generated >= max_tokens - k, (generated, context)
     accepted = spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"]
     assert accepted > 0, "the trained drafter should land some drafts"
 
@@ -97,10 +48,10 @@ def test_greedy_outputs_equal_plain_decoding_batched(moa_pair):
     from vllm import SamplingParams
 
     plain = make_llm(moa_pair["target"])
-    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, _greedy())]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, greedy())]
     del plain
     llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=4)
-    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())]
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy())]
     assert got == expected
     metrics = spec_metrics(llm)
     assert metrics["vllm:spec_decode_num_drafts"] > 0
@@ -150,10 +101,10 @@ def test_prompt_at_context_limit(moa_pair):
     tokenizer = plain.get_tokenizer()
     ids = (tokenizer.encode(PROMPTS[7]) * 8)[:124]
     prompt = {"prompt_token_ids": ids}
-    expected = plain.generate([prompt], _greedy(4))[0].outputs[0].token_ids
+    expected = plain.generate([prompt], greedy(4))[0].outputs[0].token_ids
     del plain
     llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=4, max_model_len=128)
-    assert llm.generate([prompt], _greedy(4))[0].outputs[0].token_ids == expected
+    assert llm.generate([prompt], greedy(4))[0].outputs[0].token_ids == expected
 
 
 @pytest.mark.parametrize("tli", [0, 1])
@@ -161,10 +112,10 @@ def test_one_token_prompt(moa_pair, tli):
     """Nothing is verified before the first draft: an empty CA memory (and TLI prefix)."""
     prompts = [{"prompt_token_ids": [7]}, {"prompt_token_ids": [1, 7, 9]}]
     plain = make_llm(moa_pair["target"])
-    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, _greedy(12))]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(12))]
     del plain
     llm = make_llm(moa_pair["target"], moa_pair[f"tli{tli}"], k=3)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy(12))] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12))] == expected
 
 
 def _reference_chains(target_dir, drafter_dir, contexts, k):
@@ -194,12 +145,12 @@ def test_chunked_prefill_and_preemption_stay_lossless(moa_pair, tmp_path, monkey
     long_prompts = [p * 4 for p in PROMPTS[:6]]
     limits = {"max_num_batched_tokens": 32, "num_gpu_blocks_override": 4, "max_model_len": 256}
     plain = make_llm(moa_pair["target"], **limits)
-    expected = [o.outputs[0].token_ids for o in plain.generate(long_prompts, _greedy(48))]
+    expected = [o.outputs[0].token_ids for o in plain.generate(long_prompts, greedy(48))]
     del plain
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv("VLLM_MOA_TRACE", str(trace))
     llm = make_llm(moa_pair["target"], moa_pair["tli1"], k=4, **limits)
-    got = [o.outputs[0].token_ids for o in llm.generate(long_prompts, _greedy(48))]
+    got = [o.outputs[0].token_ids for o in llm.generate(long_prompts, greedy(48))]
     assert got == expected
     assert spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
     preemptions = [m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions"]

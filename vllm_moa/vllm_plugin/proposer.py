@@ -83,6 +83,14 @@ class PaddedKV:
         cols = torch.arange(self.k.shape[2], device=self.k.device)
         return (cols[None, :] < self.lengths[:, None])[:, None, None, :]
 
+    def visible(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """`mask` for queries at positions [B], within a sliding window if there is one (for
+        caches whose column j holds position j, as the TLI tail's do)."""
+        if window is None:
+            return self.mask
+        cols = torch.arange(self.k.shape[2], device=self.k.device)
+        return self.mask & (cols[None, :] > positions[:, None] - window)[:, None, None, :]
+
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One more position per row: k, v [B, H, D]."""
         rows = torch.arange(k.shape[0], device=k.device)
@@ -433,5 +441,6 @@ class MoAVllmProposer:
         for kv, index in zip(tail, range(total - len(tail), total), strict=True):
             q, k, v = self.target.tail_qkv(index, h, positions)  # [B, H, D], [B, Hkv, D]
             kv.append(k, v)
-            h = self.target.tail_finish(index, h, q, kv.k, kv.v, kv.mask)
+            mask = kv.visible(positions, self.target.window(index))
+            h = self.target.tail_finish(index, h, q, kv.k, kv.v, mask)
         return self.target.final_norm(h)

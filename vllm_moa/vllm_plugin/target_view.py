@@ -44,7 +44,6 @@ class VllmTargetView:
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             vocab_size=hf_config.vocab_size,
         )
-        self.sliding_window = getattr(hf_config, "sliding_window", None)
 
     @property
     def layer_names(self) -> list[str]:
@@ -75,8 +74,11 @@ class VllmTargetView:
                     f"layers only (fused qkv_proj, no q/k norm); {type(layer).__name__} is not. "
                     "Use a drafter trained with --tli 0."
                 )
-            if getattr(attn.attn, "sliding_window", None):
-                raise ValueError("MoA TLI > 0 does not support sliding-window tail layers yet")
+
+    def window(self, index: int) -> int | None:
+        """Layer `index`'s sliding window (a query sees the last `window` positions, itself
+        included, as in Hugging Face and vLLM's backends), or None for full attention."""
+        return getattr(self.attn_layers[index], "sliding_window", None) or None
 
     def tail_qkv(
         self, index: int, hidden: torch.Tensor, positions: torch.Tensor
