@@ -223,8 +223,6 @@ def measure(shape: Shape, device: str, dtype: torch.dtype, context: int) -> dict
         target.crop(p)
 
     ms["verify_tree"] = timer(verify_tree)
-    ms["tree_nodes"] = tree.size
-    ms["tree_depth"] = max(tree.depths())
     ms["drafters"] = drafts
 
     copy_src = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
@@ -233,6 +231,7 @@ def measure(shape: Shape, device: str, dtype: torch.dtype, context: int) -> dict
     bandwidth = 2 * copy_src.numel() / (copy_ms * 1e-3)  # bytes read + written per second
     return {
         "ms": ms,
+        "verified_tree": {"nodes": tree.size, "depth": max(tree.depths())},
         "copy_bandwidth_gb_s": bandwidth / 1e9,
         "bytes": memory_bytes(target, drafters, p),
         "parameters": {n: sum(x.numel() for x in d.parameters()) for n, d in drafters.items()},
@@ -298,6 +297,7 @@ def project(result: dict[str, Any], taus: dict[str, dict[str, float]]) -> list[d
         modes[f"tree_d{TREE[0]}_b{TREE[1]}_m{TREE[2]}"] = (d["tree"], ms["verify_tree"], None)
         for mode, (draft_ms, verify_ms, k) in modes.items():
             tau = taus.get(name, {}).get(mode)
+            # memory rows written per cycle = tokens verified = tau (3 where no tau is given)
             rows_per_cycle = min(MAX_ROWS, max(1, round(tau))) if tau else 3
             memory_ms = d.get(f"memory_rows_{rows_per_cycle}", 0.0)
             cycle = draft_ms + verify_ms + memory_ms

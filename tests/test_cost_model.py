@@ -54,7 +54,7 @@ def test_cost_model_smoke(tmp_path):
         "eagle",
         "independent",
     }
-    assert report["ms"]["tree_nodes"] == 62
+    assert report["verified_tree"]["nodes"] == 62
     assert "memory_rows_7" in drafters["moa_tli0"] and "memory_rows_1" not in drafters["eagle"]
     projected = {
         (r["drafter"], r["mode"]) for r in report["projection"] if "projected_speedup" in r
