@@ -155,6 +155,7 @@ def _reset(proposer: Any, length: int) -> None:
 def measure(shape: Shape, device: str, dtype: torch.dtype, context: int) -> dict[str, Any]:
     from vllm_moa.decoding.factory import make_proposer
     from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.model import MoADrafter
 
     timer = make_timer(device)
     target = build_target(shape, device, dtype)
@@ -199,7 +200,7 @@ def measure(shape: Shape, device: str, dtype: torch.dtype, context: int) -> dict
         if name == "moa_tli0":
             tree = draft_tree()
         drafter = drafters[name]
-        if hasattr(drafter, "encode_memory"):  # MoA: memory rows per verified token
+        if isinstance(drafter, MoADrafter):  # memory rows per verified token
             width = (
                 (num_layers, 2 * target.shape.kv_width)
                 if drafter.uses_lsa

@@ -44,18 +44,6 @@ def import_kernels() -> None:
         sys.modules["vllm_moa.kernels"] = pkg
 
 
-def _git_sha() -> str:
-    import subprocess
-
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
-        )
-        return done.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def _err(out: torch.Tensor, ref32: torch.Tensor) -> float:
     return float((out.float() - ref32).abs().max())
 
@@ -185,7 +173,9 @@ def main() -> int:
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
         sys.exit("no CUDA GPU: run with --smoke to check the script on CPU")
-    import_kernels()
+    import_kernels()  # also puts this checkout on sys.path
+    from benchmarks.testbed.report import git_sha
+
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
     timing = not args.smoke
@@ -194,7 +184,7 @@ def main() -> int:
         "benchmark": "kernels",
         "device": torch.cuda.get_device_name(0) if timing else "cpu",
         "torch": torch.__version__,
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "dtype": str(dtype),
         "layer_attention": [bench_layer_attention(n, dtype, device, timing) for n in sizes],
         "tree_attention": [

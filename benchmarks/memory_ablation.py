@@ -47,9 +47,9 @@ from vllm_moa.checkpoint import load_drafter, save_drafter
 from vllm_moa.model import MoAConfig, MoADrafter, count_parameters
 from vllm_moa.target import HFTarget, load_target_info
 from vllm_moa.target.adapter import TargetOutput
-from vllm_moa.training.data import Batch, Example, collate
+from vllm_moa.training.data import Example, collate
 from vllm_moa.training.factory import method_for
-from vllm_moa.training.methods import DraftForward, MoAMethod
+from vllm_moa.training.methods import MoAMethod
 
 
 class ReadoutLSA(MoADrafter):
@@ -99,17 +99,8 @@ class HiddenRowMethod(MoAMethod):
         super().__init__(drafter, target, memory_layer)
         self.hidden_layers = tuple(sorted({*self.hidden_layers, self.memory_layer}))
 
-    def forward(
-        self,
-        batch: Batch,
-        target_out: TargetOutput,
-        memory_limit: torch.Tensor,
-        sa_from: torch.Tensor | None,
-        gen: torch.Generator | None = None,
-    ) -> DraftForward:
-        rows = target_out.hidden_states[self.memory_layer][:, :, None, :]
-        swapped = dataclasses.replace(target_out, layer_kv=rows)
-        return super().forward(batch, swapped, memory_limit, sa_from, gen)
+    def memory_features(self, target_out: TargetOutput) -> torch.Tensor:
+        return target_out.hidden_states[self.memory_layer][:, :, None, :]
 
 
 def variants(hidden: list[int], num_layers: int, square: bool) -> dict[str, Variant]:

@@ -8,7 +8,7 @@ from pathlib import Path
 from torch import nn
 
 from benchmarks.testbed.presets import TestbedConfig
-from vllm_moa.model import MoADrafter, TargetInfo, count_parameters, make_config
+from vllm_moa.model import MoAConfig, MoADrafter, TargetInfo, count_parameters, make_config
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.presets import make_eagle_config, make_independent_config
 from vllm_moa.training.config import TrainConfig
@@ -35,26 +35,24 @@ def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
     no_lsa = make_config(info, "small", memory_source="hidden")
     eagle = make_eagle_config(info, "small")
     indep = make_independent_config(info, "small", num_layers=2)
+
+    def moa_matched(config: MoAConfig) -> nn.Module:
+        """`config` with SA/CA MLPs sized to the budget."""
+        return match_budget(
+            lambda i: MoADrafter(config.replace(sa_intermediate_size=i, ca_intermediate_size=i)),
+            budget,
+        )
+
     drafters: dict[str, nn.Module] = {
         "moa_tli0": moa0,
         "moa_tli1": MoADrafter(make_config(info, "small", tli=1)),
         **{
-            f"moa_tli{tli}_slim": match_budget(
-                lambda i, tli=tli: MoADrafter(  # type: ignore[misc]
-                    make_config(info, "small", tli=tli).replace(
-                        lsa_intermediate_size=SLIM_LSA_MLP,
-                        sa_intermediate_size=i,
-                        ca_intermediate_size=i,
-                    )
-                ),
-                budget,
+            f"moa_tli{tli}_slim": moa_matched(
+                make_config(info, "small", tli=tli).replace(lsa_intermediate_size=SLIM_LSA_MLP)
             )
             for tli in (0, 1)
         },
-        "moa_no_lsa": match_budget(
-            lambda i: MoADrafter(no_lsa.replace(sa_intermediate_size=i, ca_intermediate_size=i)),
-            budget,
-        ),
+        "moa_no_lsa": moa_matched(no_lsa),
         "eagle": match_budget(lambda i: EagleDrafter(eagle.replace(intermediate_size=i)), budget),
         "independent": match_budget(
             lambda i: IndependentDrafter(indep.replace(intermediate_size=i)), budget

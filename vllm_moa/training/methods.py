@@ -68,6 +68,13 @@ class MoAMethod:
             needed.add(self.memory_layer)
         self.hidden_layers: tuple[int, ...] = tuple(sorted(needed))
 
+    def memory_features(self, target_out: TargetOutput) -> torch.Tensor:
+        """What the drafter's memory is computed from: every layer's K|V [B, T, L, 2*E_kv] (LSA)
+        or hidden_states[memory_layer] [B, T, E]."""
+        if self.drafter.uses_lsa:
+            return target_out.layer_kv
+        return target_out.hidden_states[self.memory_layer]
+
     def forward(
         self,
         batch: Batch,
@@ -80,7 +87,7 @@ class MoAMethod:
         hidden = target_out.hidden_states
         dtype = self.drafter.cross_attention.dtype
         embeds = target.embed_tokens(batch.input_ids).to(dtype)
-        features = target_out.layer_kv if self.drafter.uses_lsa else hidden[self.memory_layer]
+        features = self.memory_features(target_out)
         predicted = self.module(embeds, features.to(dtype), memory_limit, sa_from)
         if self.tli == 0:
             # The release trains the CA output against the final, normalised state.
