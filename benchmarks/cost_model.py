@@ -21,7 +21,9 @@ lower bound (bytes each step must read / the measured device-to-device copy band
 because eager batch-1 PyTorch adds launch overheads vLLM's CUDA graphs remove.
 The taus of the cpu testbed come from a 4-layer target and 1M-parameter drafters: the
 projection says what they would buy at 8B cost, not what an 8B drafter achieves.
-`--smoke` runs tiny shapes on the CPU to check the script itself.
+`--smoke` runs tiny shapes on the CPU to check the script itself; `--reproject MEASURED.json
+--tau OTHER.json --out NEW.json` re-projects a saved measurement with other taus, on any machine
+(testbed methods `<name>_slim` are projected at `<name>`'s cost).
 """
 
 from __future__ import annotations
@@ -286,7 +288,8 @@ def memory_bytes(target: Any, drafters: dict[str, nn.Module], context: int) -> d
 
 def project(result: dict[str, Any], taus: dict[str, dict[str, float]]) -> list[dict[str, Any]]:
     """Per drafter and mode: measured and memory-bound cycle costs, break-even tau and, where
-    the tau JSON has the method, the projected speedup."""
+    the tau JSON has the method, the projected speedup. A testbed method `<name>_slim` (MoA with
+    a slimmer LSA) is projected at the cost of `<name>`, which bounds its cost from above."""
     ms, bw = result["ms"], result["copy_bandwidth_gb_s"] * 1e9
     nbytes = result["bytes"]
     decode_lb = nbytes["target_step"] / bw * 1e3
@@ -296,32 +299,37 @@ def project(result: dict[str, Any], taus: dict[str, dict[str, float]]) -> list[d
             f"k{k}": (d[f"chain_k{k}"], ms[f"verify_k{k}"], k) for k in KS[1:]
         }
         modes[f"tree_d{TREE[0]}_b{TREE[1]}_m{TREE[2]}"] = (d["tree"], ms["verify_tree"], None)
-        for mode, (draft_ms, verify_ms, k) in modes.items():
-            tau = taus.get(name, {}).get(mode)
-            # memory rows written per cycle = tokens verified = tau (3 where no tau is given)
-            rows_per_cycle = min(MAX_ROWS, max(1, round(tau))) if tau else 3
-            memory_ms = d.get(f"memory_rows_{rows_per_cycle}", 0.0)
-            cycle = draft_ms + verify_ms + memory_ms
-            b = nbytes["drafters"][name]
-            steps = k if k is not None else TREE[0]  # a tree: one draft pass per depth
-            memory_lb = b.get("memory_fixed", 0) + rows_per_cycle * b.get("memory_per_row", 0)
-            cycle_lb = decode_lb + (steps * b["draft_step"] + memory_lb) / bw * 1e3
-            row = {
-                "drafter": name,
-                "mode": mode,
-                "propose_ms": draft_ms,
-                "verify_ms": verify_ms,
-                "memory_rows_ms": memory_ms,
-                "cycle_ms": cycle,
-                "break_even_tau": cycle / ms["decode"],
-                "memory_bound_cycle_ms": cycle_lb,
-                "memory_bound_break_even_tau": cycle_lb / decode_lb,
-                "tau": tau,
-            }
-            if tau:
-                row["projected_speedup"] = tau * ms["decode"] / cycle
-                row["memory_bound_projected_speedup"] = tau * decode_lb / cycle_lb
-            rows.append(row)
+        labels = [name] + [t for t in taus if t == f"{name}_slim"]
+        for label in labels:
+            for mode, (draft_ms, verify_ms, k) in modes.items():
+                tau = taus.get(label, {}).get(mode)
+                if label != name and tau is None:
+                    continue
+                # memory rows written per cycle = tokens verified = tau (3 where no tau is given)
+                rows_per_cycle = min(MAX_ROWS, max(1, round(tau))) if tau else 3
+                memory_ms = d.get(f"memory_rows_{rows_per_cycle}", 0.0)
+                cycle = draft_ms + verify_ms + memory_ms
+                b = nbytes["drafters"][name]
+                steps = k if k is not None else TREE[0]  # a tree: one draft pass per depth
+                memory_lb = b.get("memory_fixed", 0) + rows_per_cycle * b.get("memory_per_row", 0)
+                cycle_lb = decode_lb + (steps * b["draft_step"] + memory_lb) / bw * 1e3
+                row = {
+                    "drafter": label,
+                    "cost_of": name,
+                    "mode": mode,
+                    "propose_ms": draft_ms,
+                    "verify_ms": verify_ms,
+                    "memory_rows_ms": memory_ms,
+                    "cycle_ms": cycle,
+                    "break_even_tau": cycle / ms["decode"],
+                    "memory_bound_cycle_ms": cycle_lb,
+                    "memory_bound_break_even_tau": cycle_lb / decode_lb,
+                    "tau": tau,
+                }
+                if tau:
+                    row["projected_speedup"] = tau * ms["decode"] / cycle
+                    row["memory_bound_projected_speedup"] = tau * decode_lb / cycle_lb
+                rows.append(row)
     return rows
 
 
@@ -378,6 +386,31 @@ def plot(path: Path, result: dict[str, Any]) -> None:
     plt.close(fig)
 
 
+def reproject(measured: Path, tau: Path | None, out: Path) -> dict[str, Any]:
+    """A saved measurement's projection again with other taus (no GPU needed): the timings,
+    machine and git SHA stay the measurement's; `projected_at` says where this file was made."""
+    from benchmarks.testbed.report import git_sha
+
+    result = json.loads(measured.read_text())
+    result["projection"] = project(result, load_taus(tau))
+    result["config"]["tau_source"] = str(tau) if tau else None
+    result["projected_at"] = {"git_sha": git_sha(), "from": str(measured)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(out.with_suffix(".png"), result)
+    return result
+
+
+def _print(projection: list[dict[str, Any]]) -> None:
+    for r in projection:
+        speed = r.get("projected_speedup")
+        print(
+            f"{r['drafter']:14s} {r['mode']:16s} cycle {r['cycle_ms']:8.2f} ms  break-even tau "
+            f"{r['break_even_tau']:.2f} (memory-bound {r['memory_bound_break_even_tau']:.2f})"
+            + (f"  tau {r['tau']:.2f} -> {speed:.2f}x" if speed else "")
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -386,7 +419,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tau", type=Path, default=None, help="a benchmarks.testbed results JSON")
     p.add_argument("--context", type=int, default=1024, help="cached prefix length")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    p.add_argument(
+        "--reproject",
+        type=Path,
+        default=None,
+        metavar="MEASURED_JSON",
+        help="measure nothing: re-project a saved cost-model JSON with --tau (no GPU needed)",
+    )
     args = p.parse_args(argv)
+    if args.reproject is not None:
+        if not args.reproject.is_file():
+            p.error(f"--reproject {args.reproject}: no such file")
+        _print(reproject(args.reproject, args.tau, args.out)["projection"])
+        return 0
     if args.context < 1:
         p.error("--context must be >= 1")
     if not args.smoke and not torch.cuda.is_available():
@@ -410,13 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     save_json(args.out, "cost_model", {"config": config, **result})
     plot(args.out.with_suffix(".png"), result)
-    for r in result["projection"]:
-        speed = r.get("projected_speedup")
-        print(
-            f"{r['drafter']:12s} {r['mode']:16s} cycle {r['cycle_ms']:8.2f} ms  break-even tau "
-            f"{r['break_even_tau']:.2f} (memory-bound {r['memory_bound_break_even_tau']:.2f})"
-            + (f"  tau {r['tau']:.2f} -> {speed:.2f}x" if speed else "")
-        )
+    _print(result["projection"])
     return 0 if all(math.isfinite(r["cycle_ms"]) for r in result["projection"]) else 1
 
 

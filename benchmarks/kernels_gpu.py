@@ -32,16 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_kernels() -> None:
-    """`vllm_moa.kernels` from an install, else from this checkout's kernels/ folder."""
+    """`vllm_moa.kernels`: from an install, else (vllm_moa maps it) this checkout's kernels/."""
     sys.path.insert(0, str(ROOT))
-    try:
-        import vllm_moa.kernels  # noqa: F401
-    except ImportError:
-        import types
-
-        pkg = types.ModuleType("vllm_moa.kernels")
-        pkg.__path__ = [str(ROOT / "kernels")]
-        sys.modules["vllm_moa.kernels"] = pkg
+    import vllm_moa.kernels  # noqa: F401
 
 
 def _err(out: torch.Tensor, ref32: torch.Tensor) -> float:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 
-# Triton kernels run in the interpreter when there is no GPU; set before any kernel is defined.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+# Triton kernels run in the interpreter when there is no GPU (compiled on CUDA, where the kernel
+# tests run on the GPU); set before any kernel is defined.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-import torch
 
 from vllm_moa.decoding import MoAProposer
 from vllm_moa.model import MoADrafter, TargetInfo, make_config

@@ -31,6 +31,26 @@ def test_projection_arithmetic():
     assert rows["tree_d6_b8_m62"]["cycle_ms"] == 29.0
 
 
+def test_slim_methods_are_projected_at_their_full_drafters_cost():
+    ms = {
+        "decode": 10.0,
+        "verify_k4": 12.0,
+        "verify_k6": 13.0,
+        "verify_tree": 20.0,
+        "drafters": {
+            "moa_tli1": {"chain_k1": 1.0, "chain_k4": 4.0, "chain_k6": 6.0, "tree": 9.0},
+        },
+    }
+    nbytes = {"target_step": 100e9, "drafters": {"moa_tli1": {"draft_step": 5e9}}}
+    result = {"ms": ms, "copy_bandwidth_gb_s": 1000.0, "bytes": nbytes}
+    rows = project(result, {"moa_tli1": {"k4": 2.0}, "moa_tli1_slim": {"k4": 2.5}})
+    slim = [r for r in rows if r["drafter"] == "moa_tli1_slim"]
+    assert [(r["mode"], r["cost_of"]) for r in slim] == [("k4", "moa_tli1")]  # only its taus
+    assert slim[0]["cycle_ms"] == 16.0
+    assert slim[0]["projected_speedup"] == pytest.approx(2.5 * 10.0 / 16.0)
+    assert len([r for r in rows if r["drafter"] == "moa_tli1"]) == 3  # every mode, tau or not
+
+
 @pytest.mark.slow
 def test_cost_model_smoke(tmp_path):
     taus = tmp_path / "testbed.json"
@@ -62,3 +82,22 @@ def test_cost_model_smoke(tmp_path):
     assert projected == {("moa_tli1", "k4"), ("moa_tli1", "tree_d6_b8_m62"), ("eagle", "k4")}
     assert all(r["break_even_tau"] > 0 for r in report["projection"])
     assert out.with_suffix(".png").is_file()
+
+    # re-projected with other taus: same timings, machine and SHA; new speedups
+    results["eagle"] = {"k4": {"tau": 4.6}}
+    taus.write_text(json.dumps({"results": results}))
+    again = tmp_path / "again.json"
+    assert main(["--reproject", str(out), "--tau", str(taus), "--out", str(again)]) == 0
+    redone = json.loads(again.read_text())
+    assert redone["ms"] == report["ms"] and redone["machine"] == report["machine"]
+    assert redone["git_sha"] == report["git_sha"] and "projected_at" in redone
+
+    def speed(r: dict, name: str) -> float:
+        return next(
+            x["projected_speedup"]
+            for x in r["projection"]
+            if (x["drafter"], x["mode"]) == (name, "k4")
+        )
+
+    assert speed(redone, "eagle") == pytest.approx(2 * speed(report, "eagle"))
+    assert again.with_suffix(".png").is_file()

@@ -1,4 +1,5 @@
-"""Triton kernels vs their PyTorch references (TRITON_INTERPRET=1 on CPU, set in conftest).
+"""Triton kernels vs their PyTorch references: compiled on a CUDA GPU when there is one, else on
+the CPU under the Triton interpreter (TRITON_INTERPRET=1, set in conftest).
 
 Tolerances: both sides compute in fp32 and differ only in summation order (online softmax,
 blocked dot products), about 1e-6 relative for these sizes; 1e-5 leaves margin without hiding a
@@ -14,6 +15,11 @@ from vllm_moa.kernels.paged_layer_kv import paged_layer_kv, paged_layer_kv_ref
 from vllm_moa.kernels.tree_attention import tree_attention, tree_attention_ref
 
 TOL = dict(atol=1e-5, rtol=1e-5)
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _on(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 @pytest.mark.parametrize(
@@ -25,6 +31,7 @@ def test_layer_attention_matches_reference(n, h, hkv, layers, d):
     q = torch.randn(n, h, layers, d, generator=g)
     k = torch.randn(n, hkv, layers, d, generator=g)
     v = torch.randn(n, hkv, layers, d, generator=g)
+    q, k, v = _on(q, k, v)
     torch.testing.assert_close(layer_attention(q, k, v), layer_attention_ref(q, k, v), **TOL)
 
 
@@ -33,7 +40,7 @@ def test_layer_attention_equals_the_lsa_block_attention():
     from vllm_moa.model.layers import masked_attention
 
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(4, 8, 6, 32, generator=g), *torch.randn(2, 4, 2, 6, 32, generator=g)
+    q, k, v = _on(torch.randn(4, 8, 6, 32, generator=g), *torch.randn(2, 4, 2, 6, 32, generator=g))
     torch.testing.assert_close(layer_attention(q, k, v), masked_attention(q, k, v, None), **TOL)
 
 
@@ -59,9 +66,9 @@ def test_paged_layer_kv_matches_reference(n, layers, hkv, d, block_size, num_blo
     [num_blocks, Hkv, block_size, 2D] (one allocation per layer), slots in random order."""
     g = torch.Generator().manual_seed(n * 100 + layers)
     shape = (num_blocks, hkv, block_size, 2 * d)
-    caches = [torch.randn(shape, generator=g).to(dtype) for _ in range(layers)]
+    caches = [torch.randn(shape, generator=g).to(DEVICE, dtype) for _ in range(layers)]
     keys, values = [c[..., :d] for c in caches], [c[..., d:] for c in caches]
-    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n].to(DEVICE)
     got = paged_layer_kv(keys, values, slots)
     assert got.shape == (n, layers, hkv * 2 * d) and got.dtype == dtype
     assert torch.equal(got, paged_layer_kv_ref(keys, values, slots))
@@ -74,10 +81,10 @@ def test_paged_layer_kv_reads_split_kv_layouts():
     """Other layouts through strides: K and V as separate [2, num_blocks, block_size, Hkv, D]
     planes (token-major), as views [num_blocks, Hkv, block_size, D]."""
     g = torch.Generator().manual_seed(3)
-    planes = [torch.randn(2, 6, 16, 4, 32, generator=g) for _ in range(4)]
+    planes = _on(*(torch.randn(2, 6, 16, 4, 32, generator=g) for _ in range(4)))
     keys = [p[0].transpose(1, 2) for p in planes]
     values = [p[1].transpose(1, 2) for p in planes]
-    slots = torch.tensor([0, 15, 16, 95, 40], dtype=torch.int32)
+    slots = torch.tensor([0, 15, 16, 95, 40], dtype=torch.int32, device=DEVICE)
     assert torch.equal(paged_layer_kv(keys, values, slots), paged_layer_kv_ref(keys, values, slots))
 
 
@@ -111,8 +118,8 @@ def test_vllm_gather_uses_the_paged_kernel_when_enabled(monkeypatch):
 
     monkeypatch.setattr(kernel_module, "paged_layer_kv", spy)
     g = torch.Generator().manual_seed(4)
-    caches = [torch.randn(4, 2, 16, 128, generator=g) for _ in range(3)]
-    slots = torch.tensor([5, 17, 63, 32])
+    caches = list(_on(*(torch.randn(4, 2, 16, 128, generator=g) for _ in range(3))))
+    slots = torch.tensor([5, 17, 63, 32], device=DEVICE)
     monkeypatch.setenv("VLLM_MOA_KERNELS", "0")
     want = gather_layer_kv(caches, slots, "FLASH_ATTN")
     assert not calls
@@ -156,24 +163,28 @@ def test_tree_attention_matches_reference(batch, m, h, hkv, d, block_size, max_p
     table = torch.stack([torch.randperm(num_blocks, generator=g)[:max_pages] for _ in range(batch)])
     prefix = torch.randint(0, max_pages * block_size + 1, (batch,), generator=g)
     prefix[-1] = max_pages * block_size  # a full last page
-    args = (q, k_tree, v_tree, mask, num_nodes, k_cache, v_cache, table, prefix)
+    args = _on(q, k_tree, v_tree, mask, num_nodes, k_cache, v_cache, table, prefix)
     torch.testing.assert_close(tree_attention(*args), tree_attention_ref(*args), **TOL)
 
 
 def test_tree_attention_mask_matters():
     """Control: a chain mask and a star mask over the same nodes give different outputs."""
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(1, 4, 2, 16, generator=g)
-    k_tree, v_tree = torch.randn(2, 1, 4, 1, 16, generator=g)
+    q, k_tree, v_tree = _on(
+        torch.randn(1, 4, 2, 16, generator=g), *torch.randn(2, 1, 4, 1, 16, generator=g)
+    )
     k_cache, v_cache = torch.randn(2, 2, 16, 1, 16, generator=g)
-    common = (torch.tensor([4]), k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([20]))
-    chain = torch.tril(torch.ones(4, 4, dtype=torch.bool))[None]
-    star = (torch.eye(4, dtype=torch.bool) | (torch.arange(4)[None] == 0))[None]
+    common = _on(torch.tensor([4]), k_cache, v_cache, torch.tensor([[0, 1]]), torch.tensor([20]))
+    chain, star = _on(
+        torch.tril(torch.ones(4, 4, dtype=torch.bool))[None],
+        (torch.eye(4, dtype=torch.bool) | (torch.arange(4)[None] == 0))[None],
+    )
     a = tree_attention(q, k_tree, v_tree, chain, *common)
     b = tree_attention(q, k_tree, v_tree, star, *common)
     assert torch.equal(a[0, :2], b[0, :2]) and not torch.allclose(a[0, 2:], b[0, 2:])
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
 def test_gpu_benchmark_script_smoke(tmp_path):
     """The H200 script itself runs (tiny shapes, CPU interpreter, no timing)."""
     import json
@@ -213,10 +224,11 @@ def test_drafter_lsa_uses_the_kernel_when_enabled(llama_target, monkeypatch):
         return real(q, k, v)
 
     monkeypatch.setattr(kernel_module, "layer_attention", spy)
-    drafter = make_drafter(llama_target)
+    drafter = make_drafter(llama_target).to(DEVICE)
     shape = llama_target.shape
     torch.manual_seed(1)
     features = torch.randn(5, shape.num_layers, 2 * shape.num_kv_heads * shape.head_dim)
+    features = features.to(DEVICE)
     with torch.no_grad():
         monkeypatch.setenv("VLLM_MOA_KERNELS", "0")
         want = drafter.encode_memory(features)
@@ -244,7 +256,7 @@ def _tree_target():
 
     from vllm_moa.target import HFTarget
 
-    target = HFTarget(make_hf_model(vocab_size=12, seed=11))
+    target = HFTarget(make_hf_model(vocab_size=12, seed=11).to(DEVICE))
     target.config._attn_implementation = "sdpa"  # what HFTarget.from_pretrained loads
     return target
 
@@ -285,5 +297,27 @@ def test_tree_decoding_with_kernels_equals_plain_greedy(monkeypatch):
     target = _tree_target()
     plain = SpeculativeEngine(target).generate([1, 5, 3, 7], 16).token_ids
     monkeypatch.setenv("VLLM_MOA_KERNELS", "1")
-    engine = SpeculativeEngine(target, MoAProposer(make_drafter(target), target))
+    engine = SpeculativeEngine(target, MoAProposer(make_drafter(target).to(DEVICE), target))
     assert engine.generate([1, 5, 3, 7], 16, tree=TreeParams(3, 2, 5)).token_ids == plain
+
+
+def test_a_plain_checkout_maps_kernels_like_an_install(tmp_path):
+    """Run from a source checkout that is not installed (as on a bare GPU machine), vllm_moa
+    provides vllm_moa.kernels from the repository's kernels/ folder, as pyproject maps it (this
+    venv's editable-install finder removed to see the plain checkout)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = (
+        "import sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]\n"
+        "import vllm_moa.kernels.tree_attention as m\n"
+        "print(m.__file__)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()) == root / "kernels" / "tree_attention.py"

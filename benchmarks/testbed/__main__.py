@@ -18,6 +18,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 from benchmarks.testbed.drafters import (
     METHODS,
@@ -32,7 +33,7 @@ from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.training.pretrain import pretrain_target
 
 
-def _target(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, float]:
+def _target(out: Path, cfg: TestbedConfig, corpus: list[Path], device: str) -> dict[str, float]:
     from vllm_moa.tiny import TinyTargetSpec, build_tiny_target
 
     target_dir, done = out / "target", out / "target" / "pretrain.json"
@@ -50,14 +51,21 @@ def _target(out: Path, cfg: TestbedConfig, corpus: list[Path]) -> dict[str, floa
     )
     build_tiny_target(target_dir, spec, corpus=corpus)
     stats = pretrain_target(
-        target_dir, corpus, cfg.target_steps, cfg.target_batch, cfg.seq_len, cfg.target_lr, cfg.seed
+        target_dir,
+        corpus,
+        cfg.target_steps,
+        cfg.target_batch,
+        cfg.seq_len,
+        cfg.target_lr,
+        cfg.seed,
+        device,
     )
     done.write_text(json.dumps(stats))
     return stats
 
 
 def _drafters(
-    out: Path, cfg: TestbedConfig, corpus: list[Path], methods: list[str]
+    out: Path, cfg: TestbedConfig, corpus: list[Path], methods: list[str], device: str
 ) -> dict[str, dict[str, float]]:
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.model import count_parameters
@@ -75,7 +83,7 @@ def _drafters(
         if not done.is_file():
             init = save_drafter(drafter, out / "init" / name)
             t0 = time.perf_counter()
-            Trainer(drafter_train_config(cfg, target_dir, corpus, run, init)).train()
+            Trainer(drafter_train_config(cfg, target_dir, corpus, run, init, device)).train()
             done.write_text(
                 json.dumps(
                     {
@@ -108,6 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
     p.add_argument(
+        "--device",
+        default=None,
+        help="cpu or cuda (default: cuda if available): training (bf16 autocast on CUDA) and the "
+        "evaluation (fp32)",
+    )
+    p.add_argument(
         "--tree",
         nargs=3,
         type=int,
@@ -116,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also evaluate every drafter with EAGLE-2 trees (the paper: 6 8 62)",
     )
     args = p.parse_args(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {device}: CUDA is not available here; use --device cpu")
     cfg = PRESETS[args.preset]
     if args.drafter_steps:
         cfg = cfg.replace(drafter_steps=args.drafter_steps)
@@ -125,24 +144,43 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus = [*stdlib_sources(cfg.corpus_bytes), *map(Path, args.extra_text)]
     t0, sha = time.perf_counter(), git_sha()  # the code this run started with
-    target_stats = _target(out, cfg, corpus)
-    drafter_stats = _drafters(out, cfg, corpus, args.methods)
+    target_stats = _target(out, cfg, corpus, device)
+    drafter_stats = _drafters(out, cfg, corpus, args.methods, device)
     prompts = read_prompts(Path(args.prompts), cfg.eval_prompts)
     drafter_dirs = {m: out / "drafters" / m / "drafter" for m in args.methods}
     tree = TreeParams(*args.tree) if args.tree else None
-    figures = evaluate_all(out / "target", drafter_dirs, prompts, cfg.eval_new_tokens, cfg.ks, tree)
     results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
-    report = {
-        "preset": args.preset,
-        "config": dataclasses.asdict(cfg),
-        "prompts": args.prompts,
-        "git_sha": sha,
-        "target_training": target_stats,
-        "drafter_training": drafter_stats,
-        "results": figures,
-        "total_seconds": time.perf_counter() - t0,
-    }
-    write_report(results, report, cfg.ks)
+
+    def report(figures: dict[str, Any], complete: bool) -> None:
+        """The results JSON: after each drafter's evaluation (partial), and at the end."""
+        write_report(
+            results,
+            {
+                "preset": args.preset,
+                "config": dataclasses.asdict(cfg),
+                "prompts": args.prompts,
+                "device": device,
+                "git_sha": sha,
+                "target_training": target_stats,
+                "drafter_training": drafter_stats,
+                "results": figures,
+                "complete": complete,
+                "total_seconds": time.perf_counter() - t0,
+            },
+            cfg.ks,
+        )
+
+    figures = evaluate_all(
+        out / "target",
+        drafter_dirs,
+        prompts,
+        cfg.eval_new_tokens,
+        cfg.ks,
+        tree,
+        device,
+        on_method=lambda so_far: report(so_far, complete=False),
+    )
+    report(figures, complete=True)
     print(f"results: {results}")
     return 0
 

@@ -64,7 +64,12 @@ def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
 
 
 def drafter_train_config(
-    cfg: TestbedConfig, target_dir: Path, corpus: list[Path], run: Path, init: Path
+    cfg: TestbedConfig,
+    target_dir: Path,
+    corpus: list[Path],
+    run: Path,
+    init: Path,
+    device: str = "cpu",
 ) -> TrainConfig:
     """How the testbed trains every drafter (resuming from run/checkpoint.pt when present)."""
     return TrainConfig(
@@ -82,4 +87,5 @@ def drafter_train_config(
         log_every=max(1, cfg.drafter_steps // 50),
         eval_examples=16,
         resume=(run / "checkpoint.pt").is_file(),
+        device=device,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,18 +81,24 @@ def evaluate_all(
     new_tokens: int,
     ks: tuple[int, ...],
     tree: TreeParams | None = None,
+    device: str = "cpu",
+    on_method: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """Plain decoding, then every drafter's chains (and trees): fp32 on `device`. `on_method`
+    sees the results so far after each drafter (for partial reports)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = HFTarget.from_pretrained(target_dir)
+    target = HFTarget.from_pretrained(target_dir, device=device)
     budget = target.max_length - new_tokens - 1
     prompts = [tokenizer(p)["input_ids"][-budget:] for p in prompt_texts]
     eos = [tokenizer.eos_token_id]
     plain = run_generations(SpeculativeEngine(target), prompts, new_tokens, 1, eos)
     results: dict[str, Any] = {"plain": {k: v for k, v in plain.items() if k != "outputs"}}
     for name, path in tqdm(drafter_dirs.items(), desc="evaluate"):
-        engine = SpeculativeEngine(target, make_proposer(load_drafter(path, target.shape), target))
+        engine = SpeculativeEngine(
+            target, make_proposer(load_drafter(path, target.shape, device=device), target)
+        )
         results[name] = {}
         for k in ks:
             r = run_generations(engine, prompts, new_tokens, k, eos)
@@ -103,4 +110,6 @@ def evaluate_all(
             r["lossless"] = r.pop("outputs") == plain["outputs"]
             r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
             results[name][f"tree_d{tree.depth}_b{tree.breadth}_m{tree.budget}"] = r
+        if on_method is not None:
+            on_method(results)
     return results

@@ -68,6 +68,8 @@ PRESETS = {
         eval_new_tokens=64,
         corpus_bytes=4_000_000,
     ),
+    # Sized for <= 15 min on one H200 (a guess until it runs there: eager PyTorch at these sizes
+    # is launch-bound): E = 512 with 2 KV heads of 64, so 2*E_kv = E/2 as at Llama-3-8B.
     "gpu": TestbedConfig(
         vocab_size=4096,
         hidden_size=512,
@@ -77,11 +79,11 @@ PRESETS = {
         target_steps=3000,
         target_batch=32,
         target_lr=1e-3,
-        drafter_steps=2000,
+        drafter_steps=1500,
         drafter_batch=32,
         drafter_lr=1e-3,
         seq_len=512,
-        eval_prompts=164,
+        eval_prompts=64,
         eval_new_tokens=128,
         corpus_bytes=20_000_000,
     ),

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -14,12 +16,26 @@ from vllm_moa.training.data import collate, epoch_batches, load_examples
 
 
 def pretrain_target(
-    target_dir: Path, files: list[Path], steps: int, batch: int, seq_len: int, lr: float, seed: int
+    target_dir: Path,
+    files: list[Path],
+    steps: int,
+    batch: int,
+    seq_len: int,
+    lr: float,
+    seed: int,
+    device: str = "cpu",
 ) -> dict[str, float]:
-    """Train the (randomly initialised) model in target_dir in place; returns loss/timing."""
+    """Train the (randomly initialised) model in target_dir in place; returns loss/timing.
+
+    fp32 weights; on CUDA the forward runs under bf16 autocast (fp32 master weights), as the
+    drafter trainer does."""
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model: Any = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
+    model.to(device)
     model.train()
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
+    )
     examples = load_examples(files, tokenizer, seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)
@@ -35,8 +51,11 @@ def pretrain_target(
         if i == 0 and epoch:
             per_epoch = epoch_batches(examples, batch, seed, epoch)
         b = collate([examples[j] for j in per_epoch[i]], tokenizer.pad_token_id)
-        labels = b.input_ids.masked_fill(~b.attention_mask, -100)
-        loss = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=labels).loss
+        ids, attention = b.input_ids.to(device), b.attention_mask.to(device)
+        with autocast:
+            loss = model(
+                input_ids=ids, attention_mask=attention, labels=ids.masked_fill(~attention, -100)
+            ).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -45,5 +64,5 @@ def pretrain_target(
         last = loss.item()  # device sync, once per step
         first = last if first is None else first
     model.eval()
-    model.save_pretrained(target_dir)
+    model.cpu().save_pretrained(target_dir)
     return {"first_loss": first or 0.0, "final_loss": last, "seconds": time.perf_counter() - t0}
