@@ -95,3 +95,5 @@ PRESETS["cpu-deep"] = PRESETS["cpu"].replace(num_layers=8)
 # Ekv2E take 16% of the equal budget (the paper's 8B release: 14%; `cpu`: 38%). Issue 3's question:
 # does MoA pass EAGLE by the paper's margin when the target's KV width is in the paper's proportion?
 PRESETS["cpu-gqa4"] = PRESETS["cpu"].replace(num_kv_heads=1)
+# Both together (depth 8 and the 8B KV proportion): the closest this CPU gets to the gpu preset.
+PRESETS["cpu-deep-gqa4"] = PRESETS["cpu"].replace(num_layers=8, num_kv_heads=1)
