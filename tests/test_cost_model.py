@@ -8,19 +8,24 @@ import pytest
 from benchmarks.cost_model import load_taus, main, project
 
 
-def test_projection_arithmetic():
+def _measured(drafter: str) -> dict:
+    """Hand-made timings (ms) and bytes for one drafter: decode 10, verify 12 / 13 / 20 (K=4,
+    K=6, tree), proposals 4 / 6 / 9; target 100 GB and a draft step 5 GB at 1000 GB/s."""
     ms = {
         "decode": 10.0,
         "verify_k4": 12.0,
         "verify_k6": 13.0,
         "verify_tree": 20.0,
         "drafters": {
-            "eagle": {"chain_k1": 1.0, "chain_k4": 4.0, "chain_k6": 6.0, "tree": 9.0},
+            drafter: {"chain_k1": 1.0, "chain_k4": 4.0, "chain_k6": 6.0, "tree": 9.0},
         },
     }
-    nbytes = {"target_step": 100e9, "drafters": {"eagle": {"draft_step": 5e9}}}
-    result = {"ms": ms, "copy_bandwidth_gb_s": 1000.0, "bytes": nbytes}
-    rows = {r["mode"]: r for r in project(result, {"eagle": {"k4": 2.0}})}
+    nbytes = {"target_step": 100e9, "drafters": {drafter: {"draft_step": 5e9}}}
+    return {"ms": ms, "copy_bandwidth_gb_s": 1000.0, "bytes": nbytes}
+
+
+def test_projection_arithmetic():
+    rows = {r["mode"]: r for r in project(_measured("eagle"), {"eagle": {"k4": 2.0}})}
     k4 = rows["k4"]
     assert k4["cycle_ms"] == 16.0 and k4["break_even_tau"] == 1.6
     assert k4["projected_speedup"] == pytest.approx(2.0 * 10.0 / 16.0)
@@ -32,18 +37,8 @@ def test_projection_arithmetic():
 
 
 def test_slim_methods_are_projected_at_their_full_drafters_cost():
-    ms = {
-        "decode": 10.0,
-        "verify_k4": 12.0,
-        "verify_k6": 13.0,
-        "verify_tree": 20.0,
-        "drafters": {
-            "moa_tli1": {"chain_k1": 1.0, "chain_k4": 4.0, "chain_k6": 6.0, "tree": 9.0},
-        },
-    }
-    nbytes = {"target_step": 100e9, "drafters": {"moa_tli1": {"draft_step": 5e9}}}
-    result = {"ms": ms, "copy_bandwidth_gb_s": 1000.0, "bytes": nbytes}
-    rows = project(result, {"moa_tli1": {"k4": 2.0}, "moa_tli1_slim": {"k4": 2.5}})
+    taus = {"moa_tli1": {"k4": 2.0}, "moa_tli1_slim": {"k4": 2.5}}
+    rows = project(_measured("moa_tli1"), taus)
     slim = [r for r in rows if r["drafter"] == "moa_tli1_slim"]
     assert [(r["mode"], r["cost_of"]) for r in slim] == [("k4", "moa_tli1")]  # only its taus
     assert slim[0]["cycle_ms"] == 16.0
