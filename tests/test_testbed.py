@@ -45,7 +45,10 @@ def test_testbed_ci_preset(tmp_path):
         == 0
     )
     report = json.loads(results.read_text())
-    assert report["git_sha"] and report["machine"]["cpu_count"]
+    assert report["git_sha"] and report["machine"]["cpu_count"] and report["complete"]
+    import torch
+
+    assert report["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     methods = {*METHODS, *SLIM_METHODS}
     assert set(report["results"]) == methods | {"plain"}
     params = [report["drafter_training"][m]["parameters"] for m in methods]
