@@ -130,11 +130,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also evaluate every drafter with EAGLE-2 trees (the paper: 6 8 62)",
     )
     args = p.parse_args(argv)
-    import torch
+    from vllm_moa.devices import resolve_device
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {device}: CUDA is not available here; use --device cpu")
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
     cfg = PRESETS[args.preset]
     if args.drafter_steps:
         cfg = cfg.replace(drafter_steps=args.drafter_steps)

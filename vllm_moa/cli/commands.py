@@ -14,11 +14,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def _runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(
-            f"--device {device} asked for, but CUDA is not available; use --device cpu"
-        )
+    from vllm_moa.devices import resolve_device
+
+    device = resolve_device(args.device)
     if args.dtype == "auto":
         return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
     return device, _DTYPES[args.dtype]
@@ -194,9 +192,10 @@ def export_eagle(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    from vllm_moa.devices import resolve_device
     from vllm_moa.training import TrainConfig, Trainer
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     cfg = TrainConfig(
         target=args.target,
         data=tuple(args.data),

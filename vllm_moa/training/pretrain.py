@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer, LlamaForCausalLM
 
+from vllm_moa.devices import training_autocast
 from vllm_moa.training.data import collate, epoch_batches, load_examples
 
 
@@ -33,9 +33,7 @@ def pretrain_target(
     model: Any = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     model.to(device)
     model.train()
-    autocast = (
-        torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else nullcontext()
-    )
+    autocast = training_autocast(device)
     examples = load_examples(files, tokenizer, seq_len)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     warmup = max(1, steps // 20)

@@ -12,7 +12,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from vllm_moa.devices import training_autocast
 from vllm_moa.target.adapter import HFTarget, TargetOutput
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_examples
@@ -260,10 +260,7 @@ class Trainer:
         return {**reduced, "lr": self.scheduler.get_last_lr()[0], "tokens": totals["tokens"]}
 
     def _autocast(self) -> Any:
-        use = self.cfg.autocast == "bf16" or (
-            self.cfg.autocast == "auto" and self.dist.device.startswith("cuda")
-        )
-        return torch.autocast("cuda", dtype=torch.bfloat16) if use else nullcontext()
+        return training_autocast(self.dist.device, self.cfg.autocast)
 
     def _evaluate(self) -> dict[str, Any]:
         if not self.eval_examples:
