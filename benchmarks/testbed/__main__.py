@@ -32,13 +32,41 @@ from benchmarks.testbed.report import git_sha, write_report
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.training.pretrain import pretrain_target
 
+TARGET_FIELDS = (
+    "vocab_size", "hidden_size", "num_layers", "num_kv_heads", "intermediate_size",
+    "target_steps", "target_batch", "target_lr", "seq_len", "corpus_bytes", "seed",
+)  # fmt: skip
+DRAFTER_FIELDS = ("drafter_steps", "drafter_batch", "drafter_lr", "seq_len", "seed")
+
+
+def _settings(cfg: TestbedConfig, fields: tuple[str, ...]) -> dict[str, Any]:
+    return {f: getattr(cfg, f) for f in fields}
+
+
+def _cached(done: Path, settings: dict[str, Any]) -> dict[str, Any] | None:
+    """A finished stage's record, or None; refuses one made with other settings, which would
+    otherwise be reused silently (records from before settings were kept are taken as they are)."""
+    if not done.is_file():
+        return None
+    record: dict[str, Any] = json.loads(done.read_text())
+    made = record.pop("settings", settings)
+    changed = {k: (made.get(k), v) for k, v in settings.items() if made.get(k) != v}
+    if changed:
+        what = ", ".join(f"{k}={old} (now {new})" for k, (old, new) in changed.items())
+        raise SystemExit(
+            f"{done.parent} was made with {what}: give another --out for these settings, or "
+            "the ones it was made with"
+        )
+    return record
+
 
 def _target(out: Path, cfg: TestbedConfig, corpus: list[Path], device: str) -> dict[str, float]:
     from vllm_moa.tiny import TinyTargetSpec, build_tiny_target
 
     target_dir, done = out / "target", out / "target" / "pretrain.json"
-    if done.is_file():
-        return json.loads(done.read_text())
+    settings = _settings(cfg, TARGET_FIELDS)
+    if (cached := _cached(done, settings)) is not None:
+        return cached
     spec = TinyTargetSpec(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
@@ -60,7 +88,7 @@ def _target(out: Path, cfg: TestbedConfig, corpus: list[Path], device: str) -> d
         cfg.seed,
         device,
     )
-    done.write_text(json.dumps(stats))
+    done.write_text(json.dumps({**stats, "settings": settings}))
     return stats
 
 
@@ -79,20 +107,18 @@ def _drafters(
         if name not in methods:
             continue
         run = out / "drafters" / name
-        done = run / "done.json"
-        if not done.is_file():
+        done, settings = run / "done.json", _settings(cfg, DRAFTER_FIELDS)
+        record = _cached(done, settings)
+        if record is None:
             init = save_drafter(drafter, out / "init" / name)
             t0 = time.perf_counter()
             Trainer(drafter_train_config(cfg, target_dir, corpus, run, init, device)).train()
-            done.write_text(
-                json.dumps(
-                    {
-                        "parameters": count_parameters(drafter)["total"],
-                        "train_seconds": time.perf_counter() - t0,
-                    }
-                )
-            )
-        stats[name] = json.loads(done.read_text())
+            record = {
+                "parameters": count_parameters(drafter)["total"],
+                "train_seconds": time.perf_counter() - t0,
+            }
+            done.write_text(json.dumps({**record, "settings": settings}))
+        stats[name] = record
     return stats
 
 
@@ -114,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         default=list(METHODS),
         help=f"default: the five of the issue; {', '.join(SLIM_METHODS)}: MoA with a slim LSA",
     )
+    p.add_argument("--target-steps", type=int, default=None, help="override the preset's")
     p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
     p.add_argument(
         "--device",
@@ -137,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     cfg = PRESETS[args.preset]
+    if args.target_steps:
+        cfg = cfg.replace(target_steps=args.target_steps)
     if args.drafter_steps:
         cfg = cfg.replace(drafter_steps=args.drafter_steps)
     out = Path(args.out).expanduser()
