@@ -61,6 +61,12 @@ def test_testbed_ci_preset(tmp_path):
         assert report["results"][m]["tree_d3_b2_m4"]["lossless"]
     assert results.with_suffix(".png").is_file()
 
+    # A cached stage made with other settings is refused, not silently reused.
+    for flag, stage in (("--target-steps", "target_steps"), ("--drafter-steps", "drafter_steps")):
+        again = ["--preset", "ci", "--prompts", str(prompts), "--out", str(tmp_path / "w")]
+        with pytest.raises(SystemExit, match=rf"{stage}=\d+ \(now 99\).*another --out"):
+            main([*again, flag, "99", "--methods", "eagle"])
+
     # The memory ablation (benchmarks/memory_ablation.py) runs on the same testbed.
     from benchmarks.memory_ablation import main as ablation
 

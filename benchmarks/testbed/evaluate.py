@@ -95,6 +95,12 @@ def evaluate_all(
     eos = [tokenizer.eos_token_id]
     plain = run_generations(SpeculativeEngine(target), prompts, new_tokens, 1, eos)
     results: dict[str, Any] = {"plain": {k: v for k, v in plain.items() if k != "outputs"}}
+
+    def against_plain(r: dict[str, Any]) -> dict[str, Any]:
+        r["lossless"] = r.pop("outputs") == plain["outputs"]
+        r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
+        return r
+
     for name, path in tqdm(drafter_dirs.items(), desc="evaluate"):
         engine = SpeculativeEngine(
             target, make_proposer(load_drafter(path, target.shape, device=device), target)
@@ -102,14 +108,10 @@ def evaluate_all(
         results[name] = {}
         for k in ks:
             r = run_generations(engine, prompts, new_tokens, k, eos)
-            r["lossless"] = r.pop("outputs") == plain["outputs"]
-            r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
-            results[name][f"k{k}"] = r
+            results[name][f"k{k}"] = against_plain(r)
         if tree is not None and isinstance(engine.proposer, TreeProposer):
             r = run_generations(engine, prompts, new_tokens, tree.depth, eos, tree)
-            r["lossless"] = r.pop("outputs") == plain["outputs"]
-            r["speedup_vs_plain"] = r["tokens_per_second"] / plain["tokens_per_second"]
-            results[name][f"tree_d{tree.depth}_b{tree.breadth}_m{tree.budget}"] = r
+            results[name][f"tree_d{tree.depth}_b{tree.breadth}_m{tree.budget}"] = against_plain(r)
         if on_method is not None:
             on_method(results)
     return results
