@@ -51,6 +51,7 @@ def test_testbed_ci_preset(tmp_path):
     assert report["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
     methods = {*METHODS, *SLIM_METHODS}
     assert set(report["results"]) == methods | {"plain"}
+    assert report["results"]["plain"]["target_heldout_loss"] > 0.0
     params = [report["drafter_training"][m]["parameters"] for m in methods]
     assert max(params) / min(params) < 1.02  # equal trainable parameter counts
     for m in methods:

@@ -74,6 +74,21 @@ def run_generations(
     }
 
 
+def heldout_loss(target: HFTarget, prompts: list[list[int]]) -> float:
+    """The target's mean next-token loss (nats per token) over the prompts' own tokens: how well
+    trained it is on held-out text (pretraining reports its last batch's loss, a noisy figure)."""
+    import torch
+
+    total = count = 0.0
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], device=target.device)
+            logits = target.model(input_ids=x).logits[0, :-1].float()
+            total += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+            count += len(ids) - 1
+    return total / max(1.0, count)
+
+
 def evaluate_all(
     target_dir: Path,
     drafter_dirs: dict[str, Path],
@@ -95,6 +110,7 @@ def evaluate_all(
     eos = [tokenizer.eos_token_id]
     plain = run_generations(SpeculativeEngine(target), prompts, new_tokens, 1, eos)
     results: dict[str, Any] = {"plain": {k: v for k, v in plain.items() if k != "outputs"}}
+    results["plain"]["target_heldout_loss"] = heldout_loss(target, prompts)
 
     def against_plain(r: dict[str, Any]) -> dict[str, Any]:
         r["lossless"] = r.pop("outputs") == plain["outputs"]
