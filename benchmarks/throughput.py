@@ -88,7 +88,7 @@ def make_engine(
 
     args = EngineArgs(
         model=target,
-        dtype=dtype,
+        dtype=dtype,  # type: ignore[arg-type]  # a str from --dtype's choices
         enforce_eager=True,
         speculative_config=spec,
         disable_log_stats=False,
@@ -222,7 +222,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     args = p.parse_args()
 
     import vllm

@@ -76,6 +76,7 @@ def main() -> None:
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.decoding import SpeculativeEngine
+    from vllm_moa.model import MoADrafter
     from vllm_moa.target import HFTarget
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -90,6 +91,7 @@ def main() -> None:
     args = p.parse_args()
 
     drafter_dir = drafter_dir_of(args.drafter)
+
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = HFTarget.from_pretrained(args.target)
     budget = target.max_length - args.max_tokens - 1  # as the testbed does
@@ -98,11 +100,13 @@ def main() -> None:
     eos = [tokenizer.eos_token_id]
     plain = run_generations(SpeculativeEngine(target), prompts, args.max_tokens, 1, eos)
     drafter = load_drafter(drafter_dir, target.shape)
+    if not isinstance(drafter, MoADrafter):
+        p.error(f"{drafter_dir} holds a {type(drafter).__name__}; the path search drafts with MoA")
     rows = []
     runs = [(w, keep) for w in args.breadths for keep in ([False] if w == 1 else [False, True])]
     for breadth, keep_first in runs:
         proposer = PathProposer(MoAProposer(drafter, target), breadth, keep_first)
-        engine = SpeculativeEngine(target, proposer)  # type: ignore[arg-type]
+        engine = SpeculativeEngine(target, proposer)
         r = run_generations(engine, prompts, args.max_tokens, args.k, eos)
         row = {
             "breadth": breadth,
