@@ -1,6 +1,7 @@
 """Training: data formats, the aligned TLI tail, loss going down, exact resume after SIGKILL."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -491,3 +492,22 @@ def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
     trainer = Trainer(cfg, make_method=lambda t: MoAMethod(drafter, t, memory_layer=1))
     assert trainer.method.model is drafter and 1 in trainer.method.hidden_layers
     assert (trainer.train() / "config.json").is_file()
+
+
+def test_pretraining_warns_when_it_would_memorize_its_text(tmp_path, tiny_target_dir, capsys):
+    """Target pretraining reports its epochs over the text and warns past MEMORIZING_EPOCHS."""
+    import shutil
+
+    from vllm_moa.training.pretrain import MEMORIZING_EPOCHS, pretrain_target
+
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target_dir, target)  # pretraining writes in place
+    text = tmp_path / "text.py"
+    text.write_text("".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(60)))
+    short = pretrain_target(target, [text], 2, 4, 32, 1e-3, seed=0)
+    assert 0 < short["epochs"] <= MEMORIZING_EPOCHS
+    assert "warning" not in capsys.readouterr().out
+    steps = math.ceil(2 * MEMORIZING_EPOCHS / (short["epochs"] / 2))  # about twice the limit
+    long = pretrain_target(target, [text], steps, 4, 32, 1e-3, seed=0)
+    assert long["epochs"] > MEMORIZING_EPOCHS
+    assert "memorizes" in capsys.readouterr().out
