@@ -141,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         help=f"default: the five of the issue; {', '.join(SLIM_METHODS)}: MoA with a slim LSA",
     )
     p.add_argument("--target-steps", type=int, default=None, help="override the preset's")
+    p.add_argument(
+        "--corpus-bytes", type=int, default=None, help="override the preset's (stdlib text)"
+    )
     p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
     p.add_argument(
         "--device",
@@ -166,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = PRESETS[args.preset]
     if args.target_steps:
         cfg = cfg.replace(target_steps=args.target_steps)
+    if args.corpus_bytes:
+        cfg = cfg.replace(corpus_bytes=args.corpus_bytes)
     if args.drafter_steps:
         cfg = cfg.replace(drafter_steps=args.drafter_steps)
     out = Path(args.out).expanduser()
