@@ -91,7 +91,6 @@ def main() -> None:
     args = p.parse_args()
 
     drafter_dir = drafter_dir_of(args.drafter)
-
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = HFTarget.from_pretrained(args.target)
     budget = target.max_length - args.max_tokens - 1  # as the testbed does

@@ -166,13 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
     except ValueError as e:
         p.error(str(e))
-    cfg = PRESETS[args.preset]
-    if args.target_steps:
-        cfg = cfg.replace(target_steps=args.target_steps)
-    if args.corpus_bytes:
-        cfg = cfg.replace(corpus_bytes=args.corpus_bytes)
-    if args.drafter_steps:
-        cfg = cfg.replace(drafter_steps=args.drafter_steps)
+    overrides = ("target_steps", "corpus_bytes", "drafter_steps")
+    cfg = PRESETS[args.preset].replace(**{k: v for k in overrides if (v := getattr(args, k))})
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     from vllm_moa.tiny import stdlib_sources

@@ -79,14 +79,13 @@ def heldout_loss(target: HFTarget, prompts: list[list[int]]) -> float:
     trained it is on held-out text (pretraining reports its last batch's loss, a noisy figure)."""
     import torch
 
-    total = count = 0.0
+    total, count = torch.zeros((), device=target.device), 0
     with torch.no_grad():
-        for ids in prompts:
+        for ids in (ids for ids in prompts if len(ids) > 1):  # one token predicts nothing
             x = torch.tensor([ids], device=target.device)
-            logits = target.model(input_ids=x).logits[0, :-1].float()
-            total += torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum").item()
+            total += target.model(input_ids=x, labels=x).loss * (len(ids) - 1)  # HF: mean
             count += len(ids) - 1
-    return total / max(1.0, count)
+    return total.item() / max(1, count)  # one device sync
 
 
 def evaluate_all(
