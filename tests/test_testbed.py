@@ -68,6 +68,18 @@ def test_testbed_ci_preset(tmp_path):
         with pytest.raises(SystemExit, match=rf"{stage}=\d+ \(now 99\).*another --out"):
             main([*again, flag, "99", "--methods", "eagle"])
 
+    # MoA with another training K range is its own, cached drafter beside the default one.
+    other = tmp_path / "k2_3.json"
+    refresh = ["--moa-refresh", "2", "3", "--methods", "moa_tli0", "eagle"]
+    assert main([*again, *refresh, "--results", str(other)]) == 0
+    report = json.loads(other.read_text())
+    assert set(report["results"]) == {"moa_tli0_k2_3", "eagle", "plain"}
+    assert report["config"]["moa_refresh"] == [2, 3]
+    assert report["results"]["moa_tli0_k2_3"]["k4"]["lossless"]
+    assert (tmp_path / "w" / "drafters" / "moa_tli0_k2_3" / "done.json").is_file()
+    with pytest.raises(SystemExit):  # argparse: MIN > MAX
+        main([*again, "--moa-refresh", "3", "2"])
+
     # The memory ablation (benchmarks/memory_ablation.py) runs on the same testbed.
     from benchmarks.memory_ablation import main as ablation
 
@@ -88,3 +100,29 @@ def test_testbed_ci_preset(tmp_path):
     for f in figures.values():
         assert all(0.0 <= a <= 1.0 for a in f["teacher_forced_agreement_per_stale_step"])
     assert out.with_suffix(".png").is_file()
+
+
+def test_git_sha_marks_uncommitted_code(tmp_path):
+    """Results name the commit that made them: "+dirty" when tracked code differs from HEAD
+    (not for figures written under benchmarks/results), "unknown" outside a repository."""
+    import subprocess
+
+    from benchmarks.testbed.report import git_sha
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    assert git_sha(tmp_path) == "unknown"
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "c")
+    sha = git_sha(tmp_path)
+    assert len(sha) == 40
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"tau": 2}\n')
+    (tmp_path / "new.py").write_text("untracked\n")
+    assert git_sha(tmp_path) == sha
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_sha(tmp_path) == f"{sha}+dirty"

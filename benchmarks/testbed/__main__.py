@@ -25,9 +25,10 @@ from benchmarks.testbed.drafters import (
     SLIM_METHODS,
     build_drafters,
     drafter_train_config,
+    run_name,
 )
 from benchmarks.testbed.evaluate import evaluate_all, read_prompts
-from benchmarks.testbed.presets import PRESETS, TestbedConfig
+from benchmarks.testbed.presets import DEFAULT_MOA_REFRESH, PRESETS, TestbedConfig
 from benchmarks.testbed.report import git_sha, write_report
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.training.pretrain import pretrain_target
@@ -103,9 +104,10 @@ def _drafters(
     target_dir = out / "target"
     info = load_target_info(target_dir)
     stats = {}
-    for name, drafter in build_drafters(info, cfg.seed).items():
-        if name not in methods:
+    for method, drafter in build_drafters(info, cfg.seed).items():
+        if method not in methods:
             continue
+        name = run_name(method, cfg)
         run = out / "drafters" / name
         done, settings = run / "done.json", _settings(cfg, DRAFTER_FIELDS)
         record = _cached(done, settings)
@@ -146,6 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
     p.add_argument(
+        "--moa-refresh",
+        nargs=2,
+        type=int,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="MoA's training K range (K-step bounded Cross-Attention, K ~ U[MIN, MAX]; default "
+        f"{DEFAULT_MOA_REFRESH[0]} {DEFAULT_MOA_REFRESH[1]}, the paper's); other ranges are "
+        "cached and reported as <method>_k<MIN>_<MAX>",
+    )
+    p.add_argument(
         "--device",
         default=None,
         help="cpu or cuda (default: cuda if available): training (bf16 autocast on CUDA) and the "
@@ -166,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device)
     except ValueError as e:
         p.error(str(e))
-    overrides = ("target_steps", "corpus_bytes", "drafter_steps")
+    if args.moa_refresh is not None:
+        lo, hi = args.moa_refresh
+        if not 1 <= lo <= hi:
+            p.error(f"--moa-refresh needs 1 <= MIN <= MAX, got {lo} {hi}")
+        args.moa_refresh = (lo, hi)
+    overrides = ("target_steps", "corpus_bytes", "drafter_steps", "moa_refresh")
     cfg = PRESETS[args.preset].replace(**{k: v for k in overrides if (v := getattr(args, k))})
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -177,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     target_stats = _target(out, cfg, corpus, device)
     drafter_stats = _drafters(out, cfg, corpus, args.methods, device)
     prompts = read_prompts(Path(args.prompts), cfg.eval_prompts)
-    drafter_dirs = {m: out / "drafters" / m / "drafter" for m in args.methods}
+    drafter_dirs = {n: out / "drafters" / n / "drafter" for n in drafter_stats}
     tree = TreeParams(*args.tree) if args.tree else None
     results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from torch import nn
 
-from benchmarks.testbed.presets import TestbedConfig
+from benchmarks.testbed.presets import DEFAULT_MOA_REFRESH, TestbedConfig
 from vllm_moa.model import MoAConfig, MoADrafter, TargetInfo, count_parameters, make_config
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.presets import make_eagle_config, make_independent_config
@@ -63,6 +63,14 @@ def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
     return drafters
 
 
+def run_name(method: str, cfg: TestbedConfig) -> str:
+    """Where a method's drafter is cached and reported: MoA trained with another K range than
+    the default gets its own name (`moa_tli1_k3_8`), so both can be compared in one run."""
+    if method.startswith("moa") and cfg.moa_refresh != DEFAULT_MOA_REFRESH:
+        return f"{method}_k{cfg.moa_refresh[0]}_{cfg.moa_refresh[1]}"
+    return method
+
+
 def drafter_train_config(
     cfg: TestbedConfig,
     target_dir: Path,
@@ -71,7 +79,8 @@ def drafter_train_config(
     init: Path,
     device: str = "cpu",
 ) -> TrainConfig:
-    """How the testbed trains every drafter (resuming from run/checkpoint.pt when present)."""
+    """How the testbed trains every drafter (resuming from run/checkpoint.pt when present); the
+    K range matters to MoA only (the other methods ignore it)."""
     return TrainConfig(
         target=str(target_dir),
         data=tuple(map(str, corpus)),
@@ -86,6 +95,8 @@ def drafter_train_config(
         save_every=max(1, cfg.drafter_steps // 5),
         log_every=max(1, cfg.drafter_steps // 50),
         eval_examples=16,
+        refresh_min=cfg.moa_refresh[0],
+        refresh_max=cfg.moa_refresh[1],
         resume=(run / "checkpoint.pt").is_file(),
         device=device,
     )

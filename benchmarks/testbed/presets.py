@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from vllm_moa.training.config import TrainConfig
+
+DEFAULT_MOA_REFRESH = (TrainConfig.refresh_min, TrainConfig.refresh_max)
+
 
 @dataclass(frozen=True)
 class TestbedConfig:
@@ -28,6 +32,9 @@ class TestbedConfig:
     corpus_bytes: int  # of stdlib sources (tokenizer and training text)
     ks: tuple[int, ...] = (4, 6)
     seed: int = 0
+    # MoA's K-step bounded Cross-Attention in training: K ~ U[lo, hi] per sequence (the paper's
+    # 5..15, the trainer's default). Other ranges are cached and reported as `<method>_k<lo>_<hi>`.
+    moa_refresh: tuple[int, int] = DEFAULT_MOA_REFRESH
 
     def replace(self, **kw: object) -> TestbedConfig:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]

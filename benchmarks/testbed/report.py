@@ -11,20 +11,26 @@ from typing import Any
 
 import torch
 
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = ":(exclude)benchmarks/results"  # where runs write their figures
 
-def git_sha() -> str:
-    """HEAD of this checkout (whatever the working directory), or "unknown"."""
-    try:
+
+def git_sha(repo: Path = REPO) -> str:
+    """HEAD of this checkout (whatever the working directory), with "+dirty" when tracked code
+    differs from it (so a figure is never credited to a commit that did not make it; changes
+    under benchmarks/results, where runs write, do not count), or "unknown"."""
+
+    def git(*args: str) -> str:
         return subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parents[2],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
+            ["git", *args], cwd=repo, capture_output=True, text=True, check=True, timeout=10
         ).stdout.strip()
+
+    try:
+        sha = git("rev-parse", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", RESULTS)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    return f"{sha}+dirty" if changed else sha
 
 
 def machine() -> dict[str, Any]:
