@@ -111,7 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=_non_negative_int, default=20)
     p.add_argument("--kl-weight", type=float, default=0.1)
     p.add_argument("--feature-weight", type=float, default=1.0)
-    p.add_argument("--refresh-min", type=_positive_int, default=5)
+    p.add_argument(
+        "--refresh-min",
+        type=_positive_int,
+        default=5,
+        help="MoA: the Cross-Attention's memory is K-step bounded, K ~ U[min, max] per sequence "
+        "(the paper's 5..15); a top near the drafting depth (e.g. 3..8 for depth 6) can raise "
+        "the first draft's acceptance (README, 'The training K range')",
+    )
     p.add_argument("--refresh-max", type=_positive_int, default=15)
     p.add_argument("--sa-staircase", action="store_true")
     p.add_argument("--log-every", type=_positive_int, default=10)
