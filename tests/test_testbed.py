@@ -71,14 +71,18 @@ def test_testbed_ci_preset(tmp_path):
     # MoA with another training K range is its own, cached drafter beside the default one.
     other = tmp_path / "k2_3.json"
     refresh = ["--moa-refresh", "2", "3", "--methods", "moa_tli0", "eagle"]
-    assert main([*again, *refresh, "--results", str(other)]) == 0
+    second = ["--skip-prompts", "1", "--eval-prompts", "1"]  # another held-out slice
+    assert main([*again, *refresh, *second, "--results", str(other)]) == 0
     report = json.loads(other.read_text())
+    assert report["skipped_prompts"] == 1 and report["config"]["eval_prompts"] == 1
     assert set(report["results"]) == {"moa_tli0_k2_3", "eagle", "plain"}
     assert report["config"]["moa_refresh"] == [2, 3]
     assert report["results"]["moa_tli0_k2_3"]["k4"]["lossless"]
     assert (tmp_path / "w" / "drafters" / "moa_tli0_k2_3" / "done.json").is_file()
     with pytest.raises(SystemExit):  # argparse: MIN > MAX
         main([*again, "--moa-refresh", "3", "2"])
+    with pytest.raises(SystemExit, match=r"no prompts in .* after the first 100000"):
+        main([*again, "--methods", "eagle", "--skip-prompts", "100000"])
 
     # The memory ablation (benchmarks/memory_ablation.py) runs on the same testbed.
     from benchmarks.memory_ablation import main as ablation
@@ -126,3 +130,16 @@ def test_git_sha_marks_uncommitted_code(tmp_path):
     assert git_sha(tmp_path) == sha
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_sha(tmp_path) == f"{sha}+dirty"
+
+
+def test_read_prompts_takes_a_slice(tmp_path):
+    from benchmarks.testbed.evaluate import read_prompts
+
+    path = tmp_path / "p.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        for i in range(5):
+            f.write(json.dumps({"prompt": f"p{i}"}) + "\n\n")
+    assert read_prompts(path, 2) == ["p0", "p1"]
+    assert read_prompts(path, 2, skip=2) == ["p2", "p3"]
+    assert read_prompts(path, 9, skip=4) == ["p4"]
+    assert read_prompts(path, 2, skip=5) == []

@@ -142,6 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         default=list(METHODS),
         help=f"default: the five of the issue; {', '.join(SLIM_METHODS)}: MoA with a slim LSA",
     )
+    p.add_argument(
+        "--eval-prompts", type=int, default=None, help="how many prompts (override the preset's)"
+    )
+    p.add_argument(
+        "--skip-prompts",
+        type=int,
+        default=0,
+        help="start after this many records of --prompts (a second held-out slice)",
+    )
     p.add_argument("--target-steps", type=int, default=None, help="override the preset's")
     p.add_argument(
         "--corpus-bytes", type=int, default=None, help="override the preset's (stdlib text)"
@@ -183,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= lo <= hi:
             p.error(f"--moa-refresh needs 1 <= MIN <= MAX, got {lo} {hi}")
         args.moa_refresh = (lo, hi)
-    overrides = ("target_steps", "corpus_bytes", "drafter_steps", "moa_refresh")
+    if args.skip_prompts < 0 or (args.eval_prompts is not None and args.eval_prompts < 1):
+        p.error("--skip-prompts must be >= 0 and --eval-prompts >= 1")
+    overrides = ("eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh")
     cfg = PRESETS[args.preset].replace(**{k: v for k in overrides if (v := getattr(args, k))})
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
@@ -193,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     t0, sha = time.perf_counter(), git_sha()  # the code this run started with
     target_stats = _target(out, cfg, corpus, device)
     drafter_stats = _drafters(out, cfg, corpus, args.methods, device)
-    prompts = read_prompts(Path(args.prompts), cfg.eval_prompts)
+    prompts = read_prompts(Path(args.prompts), cfg.eval_prompts, args.skip_prompts)
+    if not prompts:
+        raise SystemExit(f"no prompts in {args.prompts} after the first {args.skip_prompts}")
     drafter_dirs = {n: out / "drafters" / n / "drafter" for n in drafter_stats}
     tree = TreeParams(*args.tree) if args.tree else None
     results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
@@ -206,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                 "preset": args.preset,
                 "config": dataclasses.asdict(cfg),
                 "prompts": args.prompts,
+                "skipped_prompts": args.skip_prompts,
                 "device": device,
                 "git_sha": sha,
                 "target_training": target_stats,

@@ -17,13 +17,17 @@ from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.target import HFTarget
 
 
-def read_prompts(path: Path, limit: int) -> list[str]:
-    """`prompt` (HumanEval) or the first of `turns` (the paper's 6-task set) of each record."""
+def read_prompts(path: Path, limit: int, skip: int = 0) -> list[str]:
+    """`prompt` (HumanEval) or the first of `turns` (the paper's 6-task set) of each record:
+    `limit` of them after the first `skip`."""
     opener = gzip.open if path.suffix == ".gz" else open
     prompts = []
     with opener(path, "rt", encoding="utf-8") as f:
         for line in f:
             if not line.strip():
+                continue
+            if skip:
+                skip -= 1
                 continue
             record = json.loads(line)
             prompts.append(record["prompt"] if "prompt" in record else record["turns"][0])
