@@ -41,6 +41,16 @@ def _err(out: torch.Tensor, ref32: torch.Tensor) -> float:
     return float((out.float() - ref32).abs().max())
 
 
+FP32_TOL = 1e-5  # tests/test_kernels.py's: O(1) outputs, online softmax reorders the sums
+
+
+def _ok(row: dict) -> bool:
+    """Kernel error vs the fp32 reference within twice the PyTorch reference's own error in the
+    run's dtype (bf16 on the GPU), and never below FP32_TOL: in fp32 (--smoke) the reference's
+    error is 0 and the kernel's ~1e-6, so a tighter floor fails at random."""
+    return row["kernel_err"] <= max(2 * row["torch_err"], FP32_TOL)
+
+
 def bench_layer_attention(n: int, dtype: torch.dtype, device: str, timing: bool) -> dict:
     from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref
 
@@ -52,7 +62,7 @@ def bench_layer_attention(n: int, dtype: torch.dtype, device: str, timing: bool)
         "kernel_err": _err(layer_attention(q, k, v), ref32),
         "torch_err": _err(layer_attention_ref(q, k, v), ref32),
     }
-    row["ok"] = row["kernel_err"] <= 2 * max(row["torch_err"], 1e-6)
+    row["ok"] = _ok(row)
     if timing:
         from triton.testing import do_bench
 
@@ -98,7 +108,7 @@ def bench_tree_attention(
         "kernel_err": _err(tree_attention(*args), ref32),
         "torch_err": _err(tree_attention_ref(*args), ref32),
     }
-    row["ok"] = row["kernel_err"] <= 2 * max(row["torch_err"], 1e-6)
+    row["ok"] = _ok(row)
     if timing:
         from triton.testing import do_bench
 
