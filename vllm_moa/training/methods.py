@@ -45,7 +45,18 @@ class DraftMethod(Protocol):
     ) -> DraftForward: ...
 
 
-class MoAMethod:
+class _Method:
+    """What every method holds: the trainable drafter (checked against the target), what
+    forward() calls (the drafter until DDP wraps it) and the frozen target."""
+
+    def __init__(self, drafter: nn.Module, target: HFTarget) -> None:
+        drafter.config.check_target(target.shape)  # type: ignore[operator, union-attr]
+        self.model: nn.Module = drafter
+        self.module: nn.Module = drafter
+        self.target = target
+
+
+class MoAMethod(_Method):
     k_bounded = True
 
     def __init__(
@@ -53,11 +64,8 @@ class MoAMethod:
     ) -> None:
         """`memory_layer`: which hidden state (HF indexing) a memory_source "hidden" drafter reads;
         default the final one (the -LSA ablation; the engine and vLLM serve only that)."""
-        drafter.config.check_target(target.shape)
+        super().__init__(drafter, target)
         self.drafter = drafter
-        self.model: nn.Module = drafter
-        self.module: nn.Module = drafter
-        self.target = target
         self.tli = drafter.config.tli
         num_layers = target.shape.num_layers
         self.memory_layer = num_layers if memory_layer is None else memory_layer
@@ -102,7 +110,7 @@ class MoAMethod:
         )
 
 
-class EagleMethod:
+class EagleMethod(_Method):
     """EAGLE: input m = (x_{m+1}, f_m + noise) predicts f_{m+1}. Trained 1-step bounded (true
     features everywhere). When memory limits ask for stale steps (evaluation), the forward is
     unrolled so every query sees what it sees at inference: keys of earlier cycles computed from
@@ -111,11 +119,8 @@ class EagleMethod:
     k_bounded = False
 
     def __init__(self, drafter: EagleDrafter, target: HFTarget, feature_noise: float) -> None:
-        drafter.config.check_target(target.shape)
+        super().__init__(drafter, target)
         self.drafter = drafter
-        self.model: nn.Module = drafter
-        self.module: nn.Module = drafter
-        self.target = target
         self.noise = feature_noise
         self.hidden_layers: tuple[int, ...] = (target.shape.num_layers,)
 
@@ -177,18 +182,15 @@ class EagleMethod:
         return out
 
 
-class IndependentMethod:
+class IndependentMethod(_Method):
     """A small LM over the target's embeddings and LM head, distilled with the KL term only."""
 
     hidden_layers: tuple[int, ...] = ()
     k_bounded = False
 
     def __init__(self, drafter: IndependentDrafter, target: HFTarget) -> None:
-        drafter.config.check_target(target.shape)
+        super().__init__(drafter, target)
         self.drafter = drafter
-        self.model: nn.Module = drafter
-        self.module: nn.Module = drafter
-        self.target = target
 
     def forward(
         self,
