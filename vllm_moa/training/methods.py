@@ -9,7 +9,7 @@ Cross-Attention; EAGLE is 1-step bounded, so its limit is always i).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -45,18 +45,22 @@ class DraftMethod(Protocol):
     ) -> DraftForward: ...
 
 
-class _Method:
+D = TypeVar("D", MoADrafter, EagleDrafter, IndependentDrafter)
+
+
+class _Method(Generic[D]):
     """What every method holds: the trainable drafter (checked against the target), what
     forward() calls (the drafter until DDP wraps it) and the frozen target."""
 
-    def __init__(self, drafter: nn.Module, target: HFTarget) -> None:
-        drafter.config.check_target(target.shape)  # type: ignore[operator, union-attr]
+    def __init__(self, drafter: D, target: HFTarget) -> None:
+        drafter.config.check_target(target.shape)
+        self.drafter: D = drafter
         self.model: nn.Module = drafter
         self.module: nn.Module = drafter
         self.target = target
 
 
-class MoAMethod(_Method):
+class MoAMethod(_Method[MoADrafter]):
     k_bounded = True
 
     def __init__(
@@ -65,7 +69,6 @@ class MoAMethod(_Method):
         """`memory_layer`: which hidden state (HF indexing) a memory_source "hidden" drafter reads;
         default the final one (the -LSA ablation; the engine and vLLM serve only that)."""
         super().__init__(drafter, target)
-        self.drafter = drafter
         self.tli = drafter.config.tli
         num_layers = target.shape.num_layers
         self.memory_layer = num_layers if memory_layer is None else memory_layer
@@ -110,7 +113,7 @@ class MoAMethod(_Method):
         )
 
 
-class EagleMethod(_Method):
+class EagleMethod(_Method[EagleDrafter]):
     """EAGLE: input m = (x_{m+1}, f_m + noise) predicts f_{m+1}. Trained 1-step bounded (true
     features everywhere). When memory limits ask for stale steps (evaluation), the forward is
     unrolled so every query sees what it sees at inference: keys of earlier cycles computed from
@@ -120,7 +123,6 @@ class EagleMethod(_Method):
 
     def __init__(self, drafter: EagleDrafter, target: HFTarget, feature_noise: float) -> None:
         super().__init__(drafter, target)
-        self.drafter = drafter
         self.noise = feature_noise
         self.hidden_layers: tuple[int, ...] = (target.shape.num_layers,)
 
@@ -182,7 +184,7 @@ class EagleMethod(_Method):
         return out
 
 
-class IndependentMethod(_Method):
+class IndependentMethod(_Method[IndependentDrafter]):
     """A small LM over the target's embeddings and LM head, distilled with the KL term only."""
 
     hidden_layers: tuple[int, ...] = ()
@@ -190,7 +192,6 @@ class IndependentMethod(_Method):
 
     def __init__(self, drafter: IndependentDrafter, target: HFTarget) -> None:
         super().__init__(drafter, target)
-        self.drafter = drafter
 
     def forward(
         self,
