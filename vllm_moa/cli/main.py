@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=5,
         help="MoA: the Cross-Attention's memory is K-step bounded, K ~ U[min, max] per sequence "
         "(the paper's 5..15); a top near the drafting depth (e.g. 3..8 for depth 6) can raise "
-        "the first draft's acceptance (README, 'The training K range')",
+        "the first draft's acceptance (benchmarks/TESTBED.md, 'The training K range')",
     )
     p.add_argument("--refresh-max", type=_positive_int, default=15)
     p.add_argument("--sa-staircase", action="store_true")
