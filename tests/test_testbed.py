@@ -81,6 +81,23 @@ def test_testbed_ci_preset(tmp_path):
     assert (tmp_path / "w" / "drafters" / "moa_tli0_k2_3" / "done.json").is_file()
     with pytest.raises(SystemExit):  # argparse: MIN > MAX
         main([*again, "--moa-refresh", "3", "2"])
+
+    # Drafters of another seed (same target) are cached and reported beside the seed-0 ones;
+    # --drafter-seed 0 is the default and reuses them.
+    seeds = tmp_path / "seeds.json"
+    seeded = ["--methods", "eagle", "--eval-prompts", "1", "--results", str(seeds)]
+    assert main([*again, *seeded, "--drafter-seed", "1"]) == 0
+    assert set(json.loads(seeds.read_text())["results"]) == {"eagle_s1", "plain"}
+    assert main([*again, *seeded, "--drafter-seed", "0"]) == 0
+    assert set(json.loads(seeds.read_text())["results"]) == {"eagle", "plain"}
+    first = tmp_path / "w" / "drafters"
+    assert (first / "eagle_s1" / "done.json").is_file()
+    assert (
+        json.loads((first / "eagle_s1" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+        != json.loads((first / "eagle" / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    )
+    with pytest.raises(SystemExit):  # argparse: steps must be positive
+        main([*again, "--target-steps", "0"])
     with pytest.raises(SystemExit, match=r"no prompts in .* after the first 100000"):
         main([*again, "--methods", "eagle", "--skip-prompts", "100000"])
 
@@ -130,6 +147,19 @@ def test_git_sha_marks_uncommitted_code(tmp_path):
     assert git_sha(tmp_path) == sha
     (tmp_path / "code.py").write_text("x = 2\n")
     assert git_sha(tmp_path) == f"{sha}+dirty"
+
+
+def test_run_names():
+    """Another K range (MoA only) or drafter seed gives a drafter its own cache and report name."""
+    from benchmarks.testbed.drafters import run_name
+    from benchmarks.testbed.presets import PRESETS
+
+    cfg = PRESETS["ci"]
+    assert run_name("moa_tli1", cfg) == "moa_tli1" and run_name("eagle", cfg) == "eagle"
+    other = cfg.replace(moa_refresh=(3, 8), drafter_seed=2)
+    assert run_name("moa_tli1_slim", other) == "moa_tli1_slim_k3_8_s2"
+    assert run_name("eagle", other) == "eagle_s2"
+    assert other.seed_of_drafters == 2 and cfg.seed_of_drafters == cfg.seed
 
 
 def test_read_prompts_takes_a_slice(tmp_path):

@@ -37,7 +37,14 @@ TARGET_FIELDS = (
     "vocab_size", "hidden_size", "num_layers", "num_kv_heads", "intermediate_size",
     "target_steps", "target_batch", "target_lr", "seq_len", "corpus_bytes", "seed",
 )  # fmt: skip
-DRAFTER_FIELDS = ("drafter_steps", "drafter_batch", "drafter_lr", "seq_len", "seed")
+DRAFTER_FIELDS = ("drafter_steps", "drafter_batch", "drafter_lr", "seq_len", "seed", "drafter_seed")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _settings(cfg: TestbedConfig, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -104,7 +111,7 @@ def _drafters(
     target_dir = out / "target"
     info = load_target_info(target_dir)
     stats = {}
-    for method, drafter in build_drafters(info, cfg.seed).items():
+    for method, drafter in build_drafters(info, cfg.seed_of_drafters).items():
         if method not in methods:
             continue
         name = run_name(method, cfg)
@@ -151,11 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="start after this many records of --prompts (a second held-out slice)",
     )
-    p.add_argument("--target-steps", type=int, default=None, help="override the preset's")
+    p.add_argument("--target-steps", type=_positive, default=None, help="override the preset's")
     p.add_argument(
-        "--corpus-bytes", type=int, default=None, help="override the preset's (stdlib text)"
+        "--corpus-bytes", type=_positive, default=None, help="override the preset's (stdlib text)"
     )
-    p.add_argument("--drafter-steps", type=int, default=None, help="override the preset's")
+    p.add_argument("--drafter-steps", type=_positive, default=None, help="override the preset's")
     p.add_argument(
         "--moa-refresh",
         nargs=2,
@@ -165,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
         help="MoA's training K range (K-step bounded Cross-Attention, K ~ U[MIN, MAX]; default "
         f"{DEFAULT_MOA_REFRESH[0]} {DEFAULT_MOA_REFRESH[1]}, the paper's); other ranges are "
         "cached and reported as <method>_k<MIN>_<MAX>",
+    )
+    p.add_argument(
+        "--drafter-seed",
+        type=int,
+        default=None,
+        help="the drafters' seed (default: the preset's, as the target's); drafters of another "
+        "seed are cached and reported as <method>_s<SEED> (the spread over drafter seeds)",
     )
     p.add_argument(
         "--device",
@@ -194,8 +208,15 @@ def main(argv: list[str] | None = None) -> int:
         args.moa_refresh = (lo, hi)
     if args.skip_prompts < 0 or (args.eval_prompts is not None and args.eval_prompts < 1):
         p.error("--skip-prompts must be >= 0 and --eval-prompts >= 1")
-    overrides = ("eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh")
-    cfg = PRESETS[args.preset].replace(**{k: v for k in overrides if (v := getattr(args, k))})
+    overrides = (
+        "eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh",
+        "drafter_seed",
+    )  # fmt: skip
+    cfg = PRESETS[args.preset].replace(
+        **{k: v for k in overrides if (v := getattr(args, k)) is not None}
+    )
+    if cfg.drafter_seed == cfg.seed:  # the default, however it was spelled (one cache name)
+        cfg = cfg.replace(drafter_seed=None)
     out = Path(args.out).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     from vllm_moa.tiny import stdlib_sources

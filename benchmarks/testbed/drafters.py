@@ -65,10 +65,14 @@ def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
 
 def run_name(method: str, cfg: TestbedConfig) -> str:
     """Where a method's drafter is cached and reported: MoA trained with another K range than
-    the default gets its own name (`moa_tli1_k3_8`), so both can be compared in one run."""
+    the default gets its own name (`moa_tli1_k3_8`), and any drafter of another seed than the
+    target's too (`eagle_s1`, `moa_tli1_k3_8_s1`), so they can be compared in one run."""
+    name = method
     if method.startswith("moa") and cfg.moa_refresh != DEFAULT_MOA_REFRESH:
-        return f"{method}_k{cfg.moa_refresh[0]}_{cfg.moa_refresh[1]}"
-    return method
+        name += f"_k{cfg.moa_refresh[0]}_{cfg.moa_refresh[1]}"
+    if cfg.seed_of_drafters != cfg.seed:
+        name += f"_s{cfg.seed_of_drafters}"
+    return name
 
 
 def drafter_train_config(
@@ -87,7 +91,7 @@ def drafter_train_config(
         out=str(run),
         max_steps=cfg.drafter_steps,
         drafter=str(init),
-        seed=cfg.seed,
+        seed=cfg.seed_of_drafters,
         lr=cfg.drafter_lr,
         batch_size=cfg.drafter_batch,
         max_length=cfg.seq_len,

@@ -35,6 +35,14 @@ class TestbedConfig:
     # MoA's K-step bounded Cross-Attention in training: K ~ U[lo, hi] per sequence (the paper's
     # 5..15, the trainer's default). Other ranges are cached and reported as `<method>_k<lo>_<hi>`.
     moa_refresh: tuple[int, int] = DEFAULT_MOA_REFRESH
+    # The drafters' seed (initial weights, batch order, noise), when it should differ from the
+    # target's: drafters of another seed are cached and reported as `<method>_s<seed>`, so the
+    # spread over drafter seeds can be measured against one target.
+    drafter_seed: int | None = None
+
+    @property
+    def seed_of_drafters(self) -> int:
+        return self.seed if self.drafter_seed is None else self.drafter_seed
 
     def replace(self, **kw: object) -> TestbedConfig:
         return dataclasses.replace(self, **kw)  # type: ignore[arg-type]
