@@ -30,6 +30,7 @@ from benchmarks.testbed.drafters import (
 from benchmarks.testbed.evaluate import evaluate_all, read_prompts
 from benchmarks.testbed.presets import DEFAULT_MOA_REFRESH, PRESETS, TestbedConfig
 from benchmarks.testbed.report import git_sha, write_report
+from vllm_moa.cli.main import non_negative_int, positive_int
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.training.pretrain import pretrain_target
 
@@ -38,13 +39,6 @@ TARGET_FIELDS = (
     "target_steps", "target_batch", "target_lr", "seq_len", "corpus_bytes", "seed",
 )  # fmt: skip
 DRAFTER_FIELDS = ("drafter_steps", "drafter_batch", "drafter_lr", "seq_len", "seed", "drafter_seed")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _settings(cfg: TestbedConfig, fields: tuple[str, ...]) -> dict[str, Any]:
@@ -150,19 +144,25 @@ def main(argv: list[str] | None = None) -> int:
         help=f"default: the five of the issue; {', '.join(SLIM_METHODS)}: MoA with a slim LSA",
     )
     p.add_argument(
-        "--eval-prompts", type=int, default=None, help="how many prompts (override the preset's)"
+        "--eval-prompts",
+        type=positive_int,
+        default=None,
+        help="how many prompts (override the preset's)",
     )
     p.add_argument(
         "--skip-prompts",
-        type=int,
+        type=non_negative_int,
         default=0,
         help="start after this many records of --prompts (a second held-out slice)",
     )
-    p.add_argument("--target-steps", type=_positive, default=None, help="override the preset's")
+    p.add_argument("--target-steps", type=positive_int, default=None, help="override the preset's")
     p.add_argument(
-        "--corpus-bytes", type=_positive, default=None, help="override the preset's (stdlib text)"
+        "--corpus-bytes",
+        type=positive_int,
+        default=None,
+        help="override the preset's (stdlib text)",
     )
-    p.add_argument("--drafter-steps", type=_positive, default=None, help="override the preset's")
+    p.add_argument("--drafter-steps", type=positive_int, default=None, help="override the preset's")
     p.add_argument(
         "--moa-refresh",
         nargs=2,
@@ -206,8 +206,6 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= lo <= hi:
             p.error(f"--moa-refresh needs 1 <= MIN <= MAX, got {lo} {hi}")
         args.moa_refresh = (lo, hi)
-    if args.skip_prompts < 0 or (args.eval_prompts is not None and args.eval_prompts < 1):
-        p.error("--skip-prompts must be >= 0 and --eval-prompts >= 1")
     overrides = (
         "eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh",
         "drafter_seed",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 from collections.abc import Callable
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -21,19 +22,10 @@ def read_prompts(path: Path, limit: int, skip: int = 0) -> list[str]:
     """`prompt` (HumanEval) or the first of `turns` (the paper's 6-task set) of each record:
     `limit` of them after the first `skip`."""
     opener = gzip.open if path.suffix == ".gz" else open
-    prompts = []
     with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            if skip:
-                skip -= 1
-                continue
-            record = json.loads(line)
-            prompts.append(record["prompt"] if "prompt" in record else record["turns"][0])
-            if len(prompts) == limit:
-                break
-    return prompts
+        lines = islice((line for line in f if line.strip()), skip, skip + limit)
+        records = [json.loads(line) for line in lines]
+    return [r["prompt"] if "prompt" in r else r["turns"][0] for r in records]
 
 
 def run_generations(

@@ -10,14 +10,16 @@ from collections.abc import Sequence
 from vllm_moa.cli import commands
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type (also the benchmarks'): an int >= 1."""
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
+    """An argparse type: an int >= 0."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
@@ -43,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("init-drafter", help="write a randomly initialised drafter for a target")
     p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
     p.add_argument("--out", required=True, help="output drafter directory")
-    p.add_argument("--tli", type=_non_negative_int, default=0, help="target layers to reuse")
+    p.add_argument("--tli", type=non_negative_int, default=0, help="target layers to reuse")
     p.add_argument("--preset", choices=["small", "paper"], default="paper")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=commands.init_drafter)
@@ -55,14 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-file", help="file whose whole content is the prompt")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-new-tokens", type=_positive_int, required=True)
+    p.add_argument("--max-new-tokens", type=positive_int, required=True)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=_non_negative_int, default=0, help="0 = off")
-    p.add_argument("--num-speculative-tokens", type=_positive_int, default=4, help="K")
-    p.add_argument("--tree-depth", type=_positive_int, default=None, help="EAGLE-2 tree (6)")
-    p.add_argument("--tree-breadth", type=_positive_int, default=None, help="top-B per depth (8)")
-    p.add_argument("--tree-tokens", type=_positive_int, default=None, help="nodes verified (62)")
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="K")
+    p.add_argument("--tree-depth", type=positive_int, default=None, help="EAGLE-2 tree (6)")
+    p.add_argument("--tree-breadth", type=positive_int, default=None, help="top-B per depth (8)")
+    p.add_argument("--tree-tokens", type=positive_int, default=None, help="nodes verified (62)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_runtime_flags(p)
@@ -72,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="official checkpoint directory")
     p.add_argument("dst", help="output drafter directory")
     p.add_argument("--target", default=None, help="target directory (for its exact shape)")
-    p.add_argument("--tli", type=_non_negative_int, default=None)
-    p.add_argument("--head-dim", type=_positive_int, default=None, help="SA/CA head size")
-    p.add_argument("--lsa-head-dim", type=_positive_int, default=64)
+    p.add_argument("--tli", type=non_negative_int, default=None)
+    p.add_argument("--head-dim", type=positive_int, default=None, help="SA/CA head size")
+    p.add_argument("--lsa-head-dim", type=positive_int, default=64)
     p.set_defaults(func=commands.convert)
 
     p = sub.add_parser("train", help="distil a drafter (MoA or a baseline) against a target")
@@ -82,15 +84,15 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--drafter", default=None, help="drafter directory to start from")
     src.add_argument("--method", choices=["moa", "eagle", "independent"], default="moa")
-    p.add_argument("--tli", type=_non_negative_int, default=0)
+    p.add_argument("--tli", type=non_negative_int, default=0)
     p.add_argument("--preset", choices=["small", "paper"], default="small")
     p.add_argument("--memory-source", choices=["lsa", "hidden"], default="lsa")
     p.add_argument(
         "--data", nargs="+", required=True, help="JSONL (chat/prompt-response/text) or text files"
     )
     p.add_argument("--out", required=True, help="output directory (drafter in OUT/drafter)")
-    p.add_argument("--max-steps", type=_positive_int, required=True)
-    p.add_argument("--save-every", type=_non_negative_int, default=0)
+    p.add_argument("--max-steps", type=positive_int, required=True)
+    p.add_argument("--save-every", type=non_negative_int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     p.add_argument(
         "--offline-cache",
@@ -99,31 +101,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--cache-workers",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="build the offline cache with N Ray tasks (one GPU each); needs `pip install ray`",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--batch-size", type=_positive_int, default=8)
-    p.add_argument("--grad-accum", type=_positive_int, default=1)
-    p.add_argument("--max-length", type=_positive_int, default=512)
-    p.add_argument("--warmup-steps", type=_non_negative_int, default=20)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--grad-accum", type=positive_int, default=1)
+    p.add_argument("--max-length", type=positive_int, default=512)
+    p.add_argument("--warmup-steps", type=non_negative_int, default=20)
     p.add_argument("--kl-weight", type=float, default=0.1)
     p.add_argument("--feature-weight", type=float, default=1.0)
     p.add_argument(
         "--refresh-min",
-        type=_positive_int,
+        type=positive_int,
         default=5,
         help="MoA: the Cross-Attention's memory is K-step bounded, K ~ U[min, max] per sequence "
         "(the paper's 5..15); a top near the drafting depth (e.g. 3..8 for depth 6) can raise "
         "the first draft's acceptance (benchmarks/TESTBED.md, 'The training K range')",
     )
-    p.add_argument("--refresh-max", type=_positive_int, default=15)
+    p.add_argument("--refresh-max", type=positive_int, default=15)
     p.add_argument("--sa-staircase", action="store_true")
-    p.add_argument("--log-every", type=_positive_int, default=10)
-    p.add_argument("--eval-every", type=_non_negative_int, default=0)
-    p.add_argument("--eval-examples", type=_non_negative_int, default=32)
+    p.add_argument("--log-every", type=positive_int, default=10)
+    p.add_argument("--eval-every", type=non_negative_int, default=0)
+    p.add_argument("--eval-examples", type=non_negative_int, default=32)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.set_defaults(func=commands.train)
 
@@ -140,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa"
     )
     p.add_argument("--prompt", default="def fibonacci(n):")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=48)
-    p.add_argument("--num-speculative-tokens", type=_positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
     p.set_defaults(func=commands.demo)
     return parser
 
