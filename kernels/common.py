@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+LOG2_E = 1.0 / math.log(2.0)  # softmax in base 2: exp(x) = exp2(x * log2(e))
 
 
 def dot_precision(dtype: torch.dtype) -> str:
     """`tl.dot` input precision for a model dtype. fp32 models keep full fp32 products ("ieee");
-    the GPU default, TF32 (10-bit mantissa), would change fp32 logits. 16-bit inputs lose nothing
-    to TF32 (their mantissa is shorter), so they keep the tensor-core path."""
+    the GPU default, TF32 (10-bit mantissa), would change fp32 logits. 16-bit inputs go to the
+    tensor cores as they are (the setting only applies to fp32 operands)."""
     return "ieee" if dtype == torch.float32 else "tf32"

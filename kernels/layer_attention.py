@@ -1,14 +1,17 @@
 """LSA's attention over the layer axis: every token attends across its own L layer rows.
 
 q: [N, H, L, D], k/v: [N, Hkv, L, D] (GQA: H % Hkv == 0), full (non-causal) mask over L, tokens
-independent. One program per (token, head) holds the whole L x L score tile in registers
-(L = 32 for Llama-3-8B), so scores never touch memory. Softmax in fp32.
+independent. One program per (token, KV head, up to 128 query rows) stacks the group's query
+heads (they all attend to the same L keys, so K and V are loaded once per group) and holds the
+whole score tile in registers (L = 32 for Llama-3-8B), so scores never touch memory. Softmax in
+fp32; 16-bit inputs feed the tensor cores as they are and the probabilities are rounded to the
+input dtype for the P @ V product, as flash attention does (fp32 inputs stay fp32 throughout).
 """
 
 from __future__ import annotations
 
 import torch
-from vllm_moa.kernels.common import dot_precision
+from vllm_moa.kernels.common import LOG2_E, dot_precision
 
 try:
     import triton
@@ -49,44 +52,48 @@ if triton is not None:
         num_layers,
         head_dim,
         groups,
-        scale,
+        scale_log2,  # 1/sqrt(D) * log2(e): the softmax runs in base 2
+        BLOCK_G: tl.constexpr,
         BLOCK_L: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 models, else "tf32"
+        PRECISION: tl.constexpr,  # tl.dot input precision for fp32 inputs ("ieee")
     ):
         n = tl.program_id(0)
-        h = tl.program_id(1)
-        kv_h = h // groups
-        rows = tl.arange(0, BLOCK_L)
+        kv_h = tl.program_id(1)
+        # query rows: BLOCK_G heads of this KV head's group, L layers each, stacked; they all
+        # attend to the same L keys, so one K/V tile serves the whole group
+        rows = tl.arange(0, BLOCK_G * BLOCK_L)
+        g = tl.program_id(2) * BLOCK_G + rows // BLOCK_L
+        layer = rows % BLOCK_L
+        head = kv_h * groups + g
+        keys = tl.arange(0, BLOCK_L)
         cols = tl.arange(0, BLOCK_D)
-        row_ok = rows < num_layers
-        tile_ok = row_ok[:, None] & (cols[None, :] < head_dim)
-        q = tl.load(
-            q_ptr + n * stride_qn + h * stride_qh + rows[:, None] * stride_ql + cols[None, :],
-            mask=tile_ok,
-            other=0.0,
-        )
+        col_ok = cols < head_dim
+        row_ok = (g < groups) & (layer < num_layers)
+        key_ok = keys < num_layers
+        q_at = n * stride_qn + head[:, None] * stride_qh + layer[:, None] * stride_ql
+        q = tl.load(q_ptr + q_at + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+        kv_mask = key_ok[:, None] & col_ok[None, :]
         k = tl.load(
-            k_ptr + n * stride_kn + kv_h * stride_kh + rows[:, None] * stride_kl + cols[None, :],
-            mask=tile_ok,
+            k_ptr + n * stride_kn + kv_h * stride_kh + keys[:, None] * stride_kl + cols[None, :],
+            mask=kv_mask,
             other=0.0,
         )
         v = tl.load(
-            v_ptr + n * stride_vn + kv_h * stride_vh + rows[:, None] * stride_vl + cols[None, :],
-            mask=tile_ok,
+            v_ptr + n * stride_vn + kv_h * stride_vh + keys[:, None] * stride_vl + cols[None, :],
+            mask=kv_mask,
             other=0.0,
         )
-        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision=PRECISION)
-        scores = scores * scale  # [L, L]
-        scores = tl.where(row_ok[None, :], scores, float("-inf"))
-        scores = scores - tl.max(scores, axis=1)[:, None]
-        p = tl.exp(scores)
-        p = p / tl.sum(p, axis=1)[:, None]
-        out = tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [G*L, L]
+        scores = tl.where(key_ok[None, :], scores, float("-inf"))
+        p = tl.exp2(scores - tl.max(scores, axis=1)[:, None])
+        denominator = tl.sum(p, axis=1)
+        out = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / denominator[:, None]
+        o_at = n * stride_on + head[:, None] * stride_oh + layer[:, None] * stride_ol
         tl.store(
-            o_ptr + n * stride_on + h * stride_oh + rows[:, None] * stride_ol + cols[None, :],
+            o_ptr + o_at + cols[None, :],
             out.to(o_ptr.dtype.element_ty),
-            mask=tile_ok,
+            mask=row_ok[:, None] & col_ok[None, :],
         )
 
 
@@ -113,7 +120,11 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         return out
     block_l = max(16, triton.next_power_of_2(layers))  # tl.dot needs >= 16
     block_d = max(16, triton.next_power_of_2(d))
-    _layer_attention_kernel[(n, h)](
+    hkv, groups = k.shape[1], h // k.shape[1]
+    # up to 128 query rows per program (4 heads of Llama-3-8B's 32 layers): the fp32 output tile
+    # stays in registers
+    block_g = min(triton.next_power_of_2(groups), max(1, 128 // block_l))
+    _layer_attention_kernel[(n, hkv, triton.cdiv(groups, block_g))](
         q,
         k,
         v,
@@ -132,8 +143,9 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         out.stride(2),
         layers,
         d,
-        h // k.shape[1],
-        d**-0.5,
+        groups,
+        d**-0.5 * LOG2_E,
+        BLOCK_G=block_g,
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),

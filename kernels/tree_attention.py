@@ -6,6 +6,13 @@ block_table[b]) followed by the tree nodes themselves, of which node i sees node
 tree_mask[b, i, j] (j is i or an ancestor of i). GQA; fp32 online softmax (flash-attention
 style); variable prefix and tree sizes across the batch.
 
+One program per (request, KV head, 64 rows), a row being a (node, query head) pair of that KV
+head's group: each K/V tile (64 keys) is loaded once for the whole group, not once per query
+head (the design aims at issue 5's "<= 1.2x unmasked attention over the same tokens"; GPU timing
+in benchmarks/kernels_gpu.py). 16-bit inputs feed the tensor cores as they are, and the
+probabilities are rounded to the input dtype for the P @ V product as flash attention does
+(fp32 inputs stay fp32 throughout).
+
 Shapes: q [B, M, H, D]; k_tree, v_tree [B, M, Hkv, D]; tree_mask [B, M, M] bool;
 num_nodes [B]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
 prefix_lens [B]. Output [B, M, H, D] (rows >= num_nodes[b] are zeros).
@@ -14,7 +21,7 @@ prefix_lens [B]. Output [B, M, H, D] (rows >= num_nodes[b] are zeros).
 from __future__ import annotations
 
 import torch
-from vllm_moa.kernels.common import dot_precision
+from vllm_moa.kernels.common import LOG2_E, dot_precision
 
 try:
     import triton
@@ -87,26 +94,29 @@ if triton is not None:
         head_dim,
         groups,
         block_size,
-        scale,
+        scale_log2,  # 1/sqrt(D) * log2(e): the softmax runs in base 2
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
-        PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 models, else "tf32"
+        PRECISION: tl.constexpr,  # tl.dot input precision for fp32 inputs ("ieee")
     ):
         b = tl.program_id(0)
-        h = tl.program_id(1)
-        kv_h = h // groups
+        kv_h = tl.program_id(1)
+        # rows are (node, query head of this KV head's group) pairs: the group's heads share
+        # every K/V tile, which is loaded once for all of them
         rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        node = rows // groups
+        head = kv_h * groups + rows % groups
         cols = tl.arange(0, BLOCK_D)
         num_nodes = tl.load(nodes_ptr + b)
         prefix = tl.load(plen_ptr + b)
-        row_ok = rows < num_nodes
+        row_ok = node < num_nodes
         col_ok = cols < head_dim
         q = tl.load(
-            q_ptr + b * s_qb + rows[:, None] * s_qm + h * s_qh + cols[None, :],
+            q_ptr + b * s_qb + node[:, None] * s_qm + head[:, None] * s_qh + cols[None, :],
             mask=row_ok[:, None] & col_ok[None, :],
             other=0.0,
-        ).to(tl.float32)
+        )
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -115,44 +125,44 @@ if triton is not None:
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < prefix
             page = tl.load(table_ptr + b * s_bt + j // block_size, mask=j_ok, other=0)
-            slot = page * s_cb + (j % block_size) * s_cs + kv_h * s_ch
+            slot = page.to(tl.int64) * s_cb + (j % block_size) * s_cs + kv_h * s_ch
             kv_ok = j_ok[:, None] & col_ok[None, :]
             k = tl.load(kc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
             v = tl.load(vc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             s = tl.where(j_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         # 2) the tree nodes, under the ancestor mask
         for start in range(0, num_nodes, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
             j_ok = j < num_nodes
             kv_ok = j_ok[:, None] & col_ok[None, :]
-            node = b * s_tb + j * s_tm + kv_h * s_th
-            k = tl.load(kt_ptr + node[:, None] + cols[None, :], mask=kv_ok, other=0.0)
-            v = tl.load(vt_ptr + node[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+            at = b * s_tb + j * s_tm + kv_h * s_th
+            k = tl.load(kt_ptr + at[:, None] + cols[None, :], mask=kv_ok, other=0.0)
+            v = tl.load(vt_ptr + at[:, None] + cols[None, :], mask=kv_ok, other=0.0)
             allowed = tl.load(
-                mask_ptr + b * s_mb + rows[:, None] * s_mi + j[None, :],
+                mask_ptr + b * s_mb + node[:, None] * s_mi + j[None, :],
                 mask=row_ok[:, None] & j_ok[None, :],
                 other=0,
             )
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision=PRECISION) * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             s = tl.where(allowed != 0, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # rows with nothing visible yet keep m = -inf: guard the exp of (-inf) - (-inf)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision=PRECISION)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
-            o_ptr + b * s_ob + rows[:, None] * s_om + h * s_oh + cols[None, :],
+            o_ptr + b * s_ob + node[:, None] * s_om + head[:, None] * s_oh + cols[None, :],
             out.to(o_ptr.dtype.element_ty),
             mask=row_ok[:, None] & col_ok[None, :],
         )
@@ -199,8 +209,9 @@ def tree_attention(
     out = torch.zeros_like(q)
     if bsz == 0 or m == 0:
         return out
-    block_m = 16
-    _tree_attention_kernel[(bsz, h, triton.cdiv(m, block_m))](
+    hkv = k_tree.shape[2]
+    block_m = 64
+    _tree_attention_kernel[(bsz, hkv, triton.cdiv(m * (h // hkv), block_m))](
         q,
         k_tree,
         v_tree,
@@ -227,11 +238,11 @@ def tree_attention(
         out.stride(1),
         out.stride(2),
         d,
-        h // k_tree.shape[2],
+        h // hkv,
         k_cache.shape[1],
-        d**-0.5,
+        d**-0.5 * LOG2_E,
         BLOCK_M=block_m,
-        BLOCK_N=16,
+        BLOCK_N=64,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         PRECISION=dot_precision(q.dtype),
     )

@@ -184,6 +184,55 @@ def test_tree_attention_mask_matters():
     assert torch.equal(a[0, :2], b[0, :2]) and not torch.allclose(a[0, 2:], b[0, 2:])
 
 
+# 16-bit inputs take the tensor-core path (no upcast; the probabilities rounded to the input
+# dtype for P @ V). Rule (benchmarks/kernels_gpu.py's): the kernel's error against an fp32
+# reference is at most twice that of the PyTorch reference run in the same dtype (which computes
+# in fp32 and rounds only its output); measured ratios 1.0-1.2. Triton's interpreter computes
+# bfloat16 tl.dot wrongly (numpy has no bfloat16: errors ~1e10 on a bare 16x16 dot), so on the
+# CPU float16 stands for the 16-bit path; a GPU runs both.
+HALF_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+
+def _within_twice_torch(kernel_out, torch_out, ref32):
+    kernel_err = float((kernel_out.float() - ref32).abs().max())
+    torch_err = float((torch_out.float() - ref32).abs().max())
+    assert kernel_err <= 2 * torch_err, (kernel_err, torch_err)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+@pytest.mark.parametrize("n, h, hkv, layers, d", [(3, 8, 2, 32, 64), (2, 12, 2, 7, 48)])
+def test_layer_attention_16bit(dtype, n, h, hkv, layers, d):
+    g = torch.Generator().manual_seed(layers)
+    q = torch.randn(n, h, layers, d, generator=g)
+    k, v = torch.randn(2, n, hkv, layers, d, generator=g)
+    q, k, v = _on(q.to(dtype), k.to(dtype), v.to(dtype))
+    ref32 = layer_attention_ref(q.float(), k.float(), v.float())
+    _within_twice_torch(layer_attention(q, k, v), layer_attention_ref(q, k, v), ref32)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES)
+def test_tree_attention_16bit(dtype):
+    g = torch.Generator().manual_seed(5)
+    batch, m, h, hkv, d, block_size, max_pages = 2, 62, 8, 2, 128, 16, 9
+    q = torch.randn(batch, m, h, d, generator=g).to(dtype)
+    k_tree, v_tree = torch.randn(2, batch, m, hkv, d, generator=g).to(dtype)
+    k_cache, v_cache = torch.randn(2, batch * max_pages, block_size, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(batch * max_pages, generator=g).view(batch, max_pages)
+    args = _on(
+        q,
+        k_tree,
+        v_tree,
+        _random_tree_mask(g, batch, m),
+        torch.tensor([m, 40]),
+        k_cache,
+        v_cache,
+        table,
+        torch.tensor([max_pages * block_size, 77]),
+    )
+    ref32 = tree_attention_ref(*(a.float() if a.is_floating_point() else a for a in args))
+    _within_twice_torch(tree_attention(*args), tree_attention_ref(*args), ref32)
+
+
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="on a GPU, run the script itself")
 def test_gpu_benchmark_script_smoke(tmp_path):
     """The H200 script itself runs (tiny shapes, CPU interpreter, no timing)."""
