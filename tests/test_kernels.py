@@ -24,7 +24,14 @@ def _on(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 @pytest.mark.parametrize(
     "n, h, hkv, layers, d",
-    [(1, 1, 1, 1, 8), (3, 4, 2, 5, 64), (1, 6, 3, 7, 24), (2, 8, 2, 32, 128), (17, 4, 1, 32, 64)],
+    [
+        (1, 1, 1, 1, 8),
+        (3, 4, 2, 5, 64),
+        (1, 6, 3, 7, 24),
+        (2, 8, 2, 32, 128),
+        (17, 4, 1, 32, 64),
+        (2, 12, 2, 32, 64),  # 6 heads per group over two programs of 4 (the second half-empty)
+    ],
 )
 def test_layer_attention_matches_reference(n, h, hkv, layers, d):
     g = torch.Generator().manual_seed(n * 1000 + layers)
@@ -149,6 +156,7 @@ def _random_tree_mask(g, batch, m):
         (3, 20, 8, 2, 32, 8, 6),  # non-power-of-two tree, small pages
         (2, 33, 4, 1, 64, 16, 4),  # tree larger than one 16-row tile, GQA 4
         (4, 62, 8, 2, 64, 16, 8),  # the paper's m=62 nodes
+        (2, 29, 6, 2, 32, 16, 3),  # 3 heads per group: (node, head) rows straddle programs
     ],
 )
 def test_tree_attention_matches_reference(batch, m, h, hkv, d, block_size, max_pages):
