@@ -1,7 +1,7 @@
 """LSA's attention over the layer axis: every token attends across its own L layer rows.
 
 q: [N, H, L, D], k/v: [N, Hkv, L, D] (GQA: H % Hkv == 0), full (non-causal) mask over L, tokens
-independent. One program per (token, KV head, up to 128 query rows) stacks the group's query
+independent. One program per (token, KV head, up to 8192 query elements) stacks the group's query
 heads (they all attend to the same L keys, so K and V are loaded once per group) and holds the
 whole score tile in registers (L = 32 for Llama-3-8B), so scores never touch memory. Softmax in
 fp32; 16-bit inputs feed the tensor cores as they are and the probabilities are rounded to the
@@ -121,9 +121,9 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     block_l = max(16, triton.next_power_of_2(layers))  # tl.dot needs >= 16
     block_d = max(16, triton.next_power_of_2(d))
     hkv, groups = k.shape[1], h // k.shape[1]
-    # up to 128 query rows per program (4 heads of Llama-3-8B's 32 layers): the fp32 output tile
-    # stays in registers
-    block_g = min(triton.next_power_of_2(groups), max(1, 128 // block_l))
+    # query tiles of at most 8192 elements (Llama-3-8B's LSA, D=64: 4 heads x 32 layers), so the
+    # fp32 output tile stays in registers
+    block_g = min(triton.next_power_of_2(groups), max(1, 8192 // (block_l * block_d)))
     _layer_attention_kernel[(n, hkv, triton.cdiv(groups, block_g))](
         q,
         k,

@@ -7,7 +7,7 @@ tree_mask[b, i, j] (j is i or an ancestor of i). GQA; fp32 online softmax (flash
 style); variable prefix and tree sizes across the batch.
 
 One program per (request, KV head, 64 rows), a row being a (node, query head) pair of that KV
-head's group: each K/V tile (64 keys) is loaded once for the whole group, not once per query
+head's group: each K/V tile (64 keys, 32 in fp32) is loaded once for the group, not once per query
 head (the design aims at issue 5's "<= 1.2x unmasked attention over the same tokens"; GPU timing
 in benchmarks/kernels_gpu.py). 16-bit inputs feed the tensor cores as they are, and the
 probabilities are rounded to the input dtype for the P @ V product as flash attention does
@@ -242,7 +242,9 @@ def tree_attention(
         k_cache.shape[1],
         d**-0.5 * LOG2_E,
         BLOCK_M=block_m,
-        BLOCK_N=64,
+        # 64-key tiles; 32 in fp32, whose K and V tiles (double the bytes) the compiler pipelines
+        # through shared memory in several stages
+        BLOCK_N=64 if q.element_size() <= 2 else 32,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         PRECISION=dot_precision(q.dtype),
     )
