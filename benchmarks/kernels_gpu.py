@@ -3,7 +3,9 @@
     python benchmarks/kernels_gpu.py --out benchmarks/results/kernels_h200.json
 
 Checks each Triton kernel against its PyTorch reference in bf16 (tolerance: 2x PyTorch's own
-bf16 error against an fp32 reference), then times with triton.testing.do_bench (median):
+bf16 error against an fp32 reference), then times with triton.testing.do_bench (median), the
+attention kernels also at neighbouring tile sizes (`tile_sweep`: the defaults were chosen
+without a GPU):
 - layer attention (LSA, L=32, 32 heads / 8 KV heads of 64 over 2*E_kv=2048) vs the reference
   and vs torch SDPA, for 1024 and 4096 tokens;
 - tree attention (m=62 nodes, 8 KV heads of 128, 32 query heads, paged prefix of 1024) vs the
@@ -23,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,18 +54,52 @@ def _ok(row: dict) -> bool:
     return row["kernel_err"] <= max(2 * row["torch_err"], FP32_TOL)
 
 
+# Tile sweeps (timing runs only): the defaults were chosen without a GPU, so the one GPU
+# session also times the neighbours, each checked like the default. Layer attention: query heads
+# per program x warps; tree attention: (rows of (node, head) pairs, keys per tile, warps).
+LAYER_TILES = [(1, 4), (2, 4), (4, 4), (4, 8), (8, 8)]
+TREE_TILES = [(64, 64, 4), (32, 64, 4), (16, 64, 4), (64, 32, 4), (64, 128, 8), (128, 64, 8)]
+
+
+def _sweep_point(run, ref32: torch.Tensor, row: dict, timing: bool, **tiles: int) -> dict:
+    """One tile setting: its error (same rule as the default) and, timing, its median time.
+    The sweep does not decide the run's exit status: a failed setting is a finding."""
+    point: dict[str, Any] = dict(tiles)
+    try:
+        point["kernel_err"] = _err(run(), ref32)
+        point["ok"] = _ok({"kernel_err": point["kernel_err"], "torch_err": row["torch_err"]})
+        if timing:
+            from triton.testing import do_bench
+
+            point["kernel_ms"] = do_bench(run)
+    except Exception as e:  # e.g. out of shared memory for a large tile: record, go on
+        point["error"] = f"{type(e).__name__}: {e}"[:300]
+    return point
+
+
 def bench_layer_attention(n: int, dtype: torch.dtype, device: str, timing: bool) -> dict:
     from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref
 
     q = torch.randn(n, 32, 32, 64, device=device, dtype=dtype)
     k, v = torch.randn(2, n, 8, 32, 64, device=device, dtype=dtype)
     ref32 = layer_attention_ref(q.float(), k.float(), v.float())
-    row = {
+    row: dict[str, Any] = {
         "tokens": n,
         "kernel_err": _err(layer_attention(q, k, v), ref32),
         "torch_err": _err(layer_attention_ref(q, k, v), ref32),
     }
     row["ok"] = _ok(row)
+    row["tile_sweep"] = [
+        _sweep_point(
+            partial(layer_attention, q, k, v, block_g=bg, num_warps=w),
+            ref32,
+            row,
+            timing,
+            block_g=bg,
+            num_warps=w,
+        )
+        for bg, w in LAYER_TILES
+    ]
     if timing:
         from triton.testing import do_bench
 
@@ -101,7 +138,7 @@ def bench_tree_attention(
         torch.full((batch,), prefix, device=device),
     ]
     ref32 = tree_attention_ref(*[a.float() if a.is_floating_point() else a for a in args])
-    row = {
+    row: dict[str, Any] = {
         "batch": batch,
         "prefix": prefix,
         "nodes": m,
@@ -109,6 +146,18 @@ def bench_tree_attention(
         "torch_err": _err(tree_attention_ref(*args), ref32),
     }
     row["ok"] = _ok(row)
+    row["tile_sweep"] = [
+        _sweep_point(
+            partial(tree_attention, *args, block_m=bm, block_n=bn, num_warps=w),
+            ref32,
+            row,
+            timing,
+            block_m=bm,
+            block_n=bn,
+            num_warps=w,
+        )
+        for bm, bn, w in TREE_TILES
+    ]
     if timing:
         from triton.testing import do_bench
 

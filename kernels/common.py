@@ -14,3 +14,11 @@ def dot_precision(dtype: torch.dtype) -> str:
     the GPU default, TF32 (10-bit mantissa), would change fp32 logits. 16-bit inputs go to the
     tensor cores as they are (the setting only applies to fp32 operands)."""
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_tile(name: str, value: int, least: int) -> int:
+    """A tile size given by a caller (benchmarks sweep them): a power of two, at least `least`
+    (tl.dot needs 16 rows, columns and depth)."""
+    if value < least or value & (value - 1):
+        raise ValueError(f"{name}={value}: use a power of two >= {least}")
+    return value

@@ -11,7 +11,7 @@ input dtype for the P @ V product, as flash attention does (fp32 inputs stay fp3
 from __future__ import annotations
 
 import torch
-from vllm_moa.kernels.common import LOG2_E, dot_precision
+from vllm_moa.kernels.common import LOG2_E, check_tile, dot_precision
 
 try:
     import triton
@@ -97,8 +97,17 @@ if triton is not None:
         )
 
 
-def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Validated launch of the Triton kernel; shapes as in the module docstring."""
+def layer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    block_g: int | None = None,
+    num_warps: int = 4,
+) -> torch.Tensor:
+    """Validated launch of the Triton kernel; shapes as in the module docstring. block_g (query
+    heads per program) and num_warps are for benchmarks/kernels_gpu.py's sweep; callers keep
+    the defaults."""
     if triton is None:
         raise RuntimeError(
             "layer_attention needs Triton (pip install triton); use layer_attention_ref"
@@ -123,7 +132,9 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     hkv, groups = k.shape[1], h // k.shape[1]
     # query tiles of at most 8192 elements (Llama-3-8B's LSA, D=64: 4 heads x 32 layers), so the
     # fp32 output tile stays in registers
-    block_g = min(triton.next_power_of_2(groups), max(1, 8192 // (block_l * block_d)))
+    if block_g is None:
+        block_g = min(triton.next_power_of_2(groups), max(1, 8192 // (block_l * block_d)))
+    check_tile("block_g", block_g, 1)
     _layer_attention_kernel[(n, hkv, triton.cdiv(groups, block_g))](
         q,
         k,
@@ -149,5 +160,6 @@ def layer_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
         BLOCK_L=block_l,
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
     )
     return out

@@ -21,7 +21,7 @@ prefix_lens [B]. Output [B, M, H, D] (rows >= num_nodes[b] are zeros).
 from __future__ import annotations
 
 import torch
-from vllm_moa.kernels.common import LOG2_E, dot_precision
+from vllm_moa.kernels.common import LOG2_E, check_tile, dot_precision
 
 try:
     import triton
@@ -178,8 +178,14 @@ def tree_attention(
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
     prefix_lens: torch.Tensor,
+    *,
+    block_m: int = 64,
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
-    """Validated launch of the Triton kernel; shapes as in the module docstring."""
+    """Validated launch of the Triton kernel; shapes as in the module docstring. The tiles
+    (block_m rows of (node, head) pairs, block_n keys: 64, or 32 for fp32 inputs) and warps are
+    for benchmarks/kernels_gpu.py's sweep; callers keep the defaults."""
     if triton is None:
         raise RuntimeError(
             "tree_attention needs Triton (pip install triton); use tree_attention_ref"
@@ -210,7 +216,10 @@ def tree_attention(
     if bsz == 0 or m == 0:
         return out
     hkv = k_tree.shape[2]
-    block_m = 64
+    check_tile("block_m", block_m, 16)
+    # 64-key tiles; 32 in fp32, whose K and V tiles (double the bytes) the compiler pipelines
+    # through shared memory in several stages
+    block_n = check_tile("block_n", block_n or (64 if q.element_size() <= 2 else 32), 16)
     _tree_attention_kernel[(bsz, hkv, triton.cdiv(m * (h // hkv), block_m))](
         q,
         k_tree,
@@ -242,10 +251,9 @@ def tree_attention(
         k_cache.shape[1],
         d**-0.5 * LOG2_E,
         BLOCK_M=block_m,
-        # 64-key tiles; 32 in fp32, whose K and V tiles (double the bytes) the compiler pipelines
-        # through shared memory in several stages
-        BLOCK_N=64 if q.element_size() <= 2 else 32,
+        BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)),
         PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
     )
     return out

@@ -175,6 +175,19 @@ def test_tree_attention_matches_reference(batch, m, h, hkv, d, block_size, max_p
     torch.testing.assert_close(tree_attention(*args), tree_attention_ref(*args), **TOL)
 
 
+def test_kernel_tiles_must_be_powers_of_two():
+    q = torch.randn(1, 2, 2, 16)
+    with pytest.raises(ValueError, match="block_g=3: use a power of two >= 1"):
+        layer_attention(q, q, q, block_g=3)
+    kv = torch.randn(1, 2, 1, 16)
+    cache = torch.randn(1, 16, 1, 16)
+    mask = torch.ones(1, 2, 2, dtype=torch.bool)
+    table, lens = torch.tensor([[0]]), torch.tensor([2])
+    args = (q, kv, kv, mask, lens, cache, cache, table, lens)
+    with pytest.raises(ValueError, match="block_n=8: use a power of two >= 16"):
+        tree_attention(*args, block_n=8)
+
+
 def test_tree_attention_mask_matters():
     """Control: a chain mask and a star mask over the same nodes give different outputs."""
     g = torch.Generator().manual_seed(3)
@@ -264,6 +277,10 @@ def test_gpu_benchmark_script_smoke(tmp_path):
         for key in ("layer_attention", "tree_attention", "paged_layer_kv")
         for r in report[key]
     )
+    sweep = [
+        p for key in ("layer_attention", "tree_attention") for p in report[key][0]["tile_sweep"]
+    ]
+    assert len(sweep) == 11 and all(p.get("ok") for p in sweep), sweep
 
 
 def test_drafter_lsa_uses_the_kernel_when_enabled(llama_target, monkeypatch):
