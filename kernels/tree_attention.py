@@ -65,6 +65,21 @@ def tree_attention_ref(
 if triton is not None:
 
     @triton.jit
+    def _online_softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, PRECISION: tl.constexpr):
+        """Fold one K/V tile into the running max m_i, sum l_i and output acc of every row,
+        keys where `visible` is false left out (flash attention's online softmax, base 2)."""
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # rows with nothing visible yet keep m = -inf: guard the exp of (-inf) - (-inf)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, l_i, acc
+
+    @triton.jit
     def _tree_attention_kernel(
         q_ptr,
         kt_ptr,
@@ -129,14 +144,9 @@ if triton is not None:
             kv_ok = j_ok[:, None] & col_ok[None, :]
             k = tl.load(kc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
             v = tl.load(vc_ptr + slot[:, None] + cols[None, :], mask=kv_ok, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            s = tl.where(j_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(
+                q, k, v, j_ok[None, :], m_i, l_i, acc, scale_log2, PRECISION
+            )
         # 2) the tree nodes, under the ancestor mask
         for start in range(0, num_nodes, BLOCK_N):
             j = start + tl.arange(0, BLOCK_N)
@@ -150,16 +160,9 @@ if triton is not None:
                 mask=row_ok[:, None] & j_ok[None, :],
                 other=0,
             )
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            s = tl.where(allowed != 0, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # rows with nothing visible yet keep m = -inf: guard the exp of (-inf) - (-inf)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(
+                q, k, v, allowed != 0, m_i, l_i, acc, scale_log2, PRECISION
+            )
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(
             o_ptr + b * s_ob + node[:, None] * s_om + head[:, None] * s_oh + cols[None, :],
