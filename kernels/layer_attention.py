@@ -1,11 +1,12 @@
 """LSA's attention over the layer axis: every token attends across its own L layer rows.
 
 q: [N, H, L, D], k/v: [N, Hkv, L, D] (GQA: H % Hkv == 0), full (non-causal) mask over L, tokens
-independent. One program per (token, KV head, up to 8192 query elements) stacks the group's query
-heads (they all attend to the same L keys, so K and V are loaded once per group) and holds the
-whole score tile in registers (L = 32 for Llama-3-8B), so scores never touch memory. Softmax in
-fp32; 16-bit inputs feed the tensor cores as they are and the probabilities are rounded to the
-input dtype for the P @ V product, as flash attention does (fp32 inputs stay fp32 throughout).
+independent. One program per (token, KV head, up to 8192 query elements; 2048 in fp32) stacks the
+group's query heads (they all attend to the same L keys, so K and V are loaded once per group)
+and holds the whole score tile in registers (L = 32 for Llama-3-8B), so scores never touch
+memory. Softmax in fp32; 16-bit inputs feed the tensor cores as they are and the probabilities
+are rounded to the input dtype for the P @ V product, as flash attention does (fp32 inputs stay
+fp32 throughout).
 """
 
 from __future__ import annotations
@@ -97,6 +98,16 @@ if triton is not None:
         )
 
 
+def default_block_g(groups: int, block_l: int, block_d: int, element_size: int) -> int:
+    """Query heads per program: query tiles of at most 8192 elements for 16-bit inputs (Llama-3-8B's
+    LSA, D=64: 4 heads x 32 layers), 2048 for fp32, whose q, scores and output tiles all take
+    32-bit registers. Read off the compiler (benchmarks/kernels_aot.py): these build without
+    register spills on Hopper and Ampere (bf16, 4 heads: 113 registers per thread on sm_90;
+    fp32 with 4 heads spilled 808 bytes, with 2 heads still 88 at 7 heads per group)."""
+    budget = 8192 if element_size <= 2 else 2048
+    return min(triton.next_power_of_2(groups), max(1, budget // (block_l * block_d)))
+
+
 def layer_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -130,10 +141,8 @@ def layer_attention(
     block_l = max(16, triton.next_power_of_2(layers))  # tl.dot needs >= 16
     block_d = max(16, triton.next_power_of_2(d))
     hkv, groups = k.shape[1], h // k.shape[1]
-    # query tiles of at most 8192 elements (Llama-3-8B's LSA, D=64: 4 heads x 32 layers), so the
-    # fp32 output tile stays in registers
     if block_g is None:
-        block_g = min(triton.next_power_of_2(groups), max(1, 8192 // (block_l * block_d)))
+        block_g = default_block_g(groups, block_l, block_d, q.element_size())
     check_tile("block_g", block_g, 1)
     _layer_attention_kernel[(n, hkv, triton.cdiv(groups, block_g))](
         q,

@@ -7,11 +7,11 @@ tree_mask[b, i, j] (j is i or an ancestor of i). GQA; fp32 online softmax (flash
 style); variable prefix and tree sizes across the batch.
 
 One program per (request, KV head, 64 rows), a row being a (node, query head) pair of that KV
-head's group: each K/V tile (64 keys, 32 in fp32) is loaded once for the group, not once per query
-head (the design aims at issue 5's "<= 1.2x unmasked attention over the same tokens"; GPU timing
-in benchmarks/kernels_gpu.py). 16-bit inputs feed the tensor cores as they are, and the
-probabilities are rounded to the input dtype for the P @ V product as flash attention does
-(fp32 inputs stay fp32 throughout).
+head's group: each K/V tile (64 keys; fp32 tiles are smaller, see `default_tiles`) is loaded once
+for the group, not once per query head (the design aims at issue 5's "<= 1.2x unmasked attention
+over the same tokens"; GPU timing in benchmarks/kernels_gpu.py). 16-bit inputs feed the tensor
+cores as they are, and the probabilities are rounded to the input dtype for the P @ V product as
+flash attention does (fp32 inputs stay fp32 throughout).
 
 Shapes: q [B, M, H, D]; k_tree, v_tree [B, M, Hkv, D]; tree_mask [B, M, M] bool;
 num_nodes [B]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_table [B, max_blocks];
@@ -171,6 +171,19 @@ if triton is not None:
         )
 
 
+def default_tiles(element_size: int, block_d: int) -> tuple[int, int, int]:
+    """(block_m, block_n, num_warps): the largest tiles whose builds for Hopper (sm_90) and
+    Ampere (sm_80) spill no registers, read off the compiler (benchmarks/kernels_aot.py,
+    results/kernels_aot.json; GPU timing pending). 16-bit: 64 rows x 64 keys on the tensor
+    cores, 8 warps at head size 128 (with 4 warps Hopper's build spills: 255 registers per
+    thread; with 8, 202 and no spills), 4 at 64. fp32 products run in full precision on the FMA
+    units, whose operand layouts take far more registers: 16 rows x 16 keys, 4 warps (64 x 32,
+    the earlier default, spilled 9.7 KB per thread on Hopper at head size 128)."""
+    if element_size <= 2:
+        return 64, 64, 8 if block_d >= 128 else 4
+    return 16, 16, 4
+
+
 def tree_attention(
     q: torch.Tensor,
     k_tree: torch.Tensor,
@@ -182,13 +195,13 @@ def tree_attention(
     block_table: torch.Tensor,
     prefix_lens: torch.Tensor,
     *,
-    block_m: int = 64,
+    block_m: int | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """Validated launch of the Triton kernel; shapes as in the module docstring. The tiles
-    (block_m rows of (node, head) pairs, block_n keys: 64, or 32 for fp32 inputs) and warps are
-    for benchmarks/kernels_gpu.py's sweep; callers keep the defaults."""
+    (block_m rows of (node, head) pairs, block_n keys) and warps are for the benchmarks' sweeps;
+    callers keep the defaults (`default_tiles`)."""
     if triton is None:
         raise RuntimeError(
             "tree_attention needs Triton (pip install triton); use tree_attention_ref"
@@ -219,10 +232,10 @@ def tree_attention(
     if bsz == 0 or m == 0:
         return out
     hkv = k_tree.shape[2]
-    check_tile("block_m", block_m, 16)
-    # 64-key tiles; 32 in fp32, whose K and V tiles (double the bytes) the compiler pipelines
-    # through shared memory in several stages
-    block_n = check_tile("block_n", block_n or (64 if q.element_size() <= 2 else 32), 16)
+    block_d = max(16, triton.next_power_of_2(d))
+    tiles = default_tiles(q.element_size(), block_d)
+    block_m = check_tile("block_m", block_m or tiles[0], 16)
+    block_n = check_tile("block_n", block_n or tiles[1], 16)
     _tree_attention_kernel[(bsz, hkv, triton.cdiv(m * (h // hkv), block_m))](
         q,
         k_tree,
@@ -255,8 +268,8 @@ def tree_attention(
         d**-0.5 * LOG2_E,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps,
+        num_warps=num_warps or tiles[2],
     )
     return out

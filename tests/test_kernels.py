@@ -30,16 +30,18 @@ def _on(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         (1, 6, 3, 7, 24),
         (2, 8, 2, 32, 128),
         (17, 4, 1, 32, 64),
-        (2, 12, 2, 32, 64),  # 6 heads per group over two programs of 4 (the second half-empty)
+        (2, 12, 2, 32, 64),  # 6 heads per group, one per program (fp32's default tile)
     ],
 )
-def test_layer_attention_matches_reference(n, h, hkv, layers, d):
+@pytest.mark.parametrize("block_g", [None, 4])  # 4: two programs of 4 heads, the second half-empty
+def test_layer_attention_matches_reference(n, h, hkv, layers, d, block_g):
     g = torch.Generator().manual_seed(n * 1000 + layers)
     q = torch.randn(n, h, layers, d, generator=g)
     k = torch.randn(n, hkv, layers, d, generator=g)
     v = torch.randn(n, hkv, layers, d, generator=g)
     q, k, v = _on(q, k, v)
-    torch.testing.assert_close(layer_attention(q, k, v), layer_attention_ref(q, k, v), **TOL)
+    out = layer_attention(q, k, v, block_g=block_g)
+    torch.testing.assert_close(out, layer_attention_ref(q, k, v), **TOL)
 
 
 def test_layer_attention_equals_the_lsa_block_attention():
@@ -159,7 +161,9 @@ def _random_tree_mask(g, batch, m):
         (2, 29, 6, 2, 32, 16, 3),  # 3 heads per group: (node, head) rows straddle programs
     ],
 )
-def test_tree_attention_matches_reference(batch, m, h, hkv, d, block_size, max_pages):
+# the fp32 default (16 rows x 16 keys) and the 16-bit one's rows (64) with 32-key tiles
+@pytest.mark.parametrize("tiles", [{}, {"block_m": 64, "block_n": 32}])
+def test_tree_attention_matches_reference(batch, m, h, hkv, d, block_size, max_pages, tiles):
     g = torch.Generator().manual_seed(m * 100 + batch)
     num_blocks = batch * max_pages + 3
     q = torch.randn(batch, m, h, d, generator=g)
@@ -172,7 +176,7 @@ def test_tree_attention_matches_reference(batch, m, h, hkv, d, block_size, max_p
     prefix = torch.randint(0, max_pages * block_size + 1, (batch,), generator=g)
     prefix[-1] = max_pages * block_size  # a full last page
     args = _on(q, k_tree, v_tree, mask, num_nodes, k_cache, v_cache, table, prefix)
-    torch.testing.assert_close(tree_attention(*args), tree_attention_ref(*args), **TOL)
+    torch.testing.assert_close(tree_attention(*args, **tiles), tree_attention_ref(*args), **TOL)
 
 
 def test_kernel_tiles_must_be_powers_of_two():
