@@ -6,8 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PORT=${PORT:-8000}
+# the paths are the last two lines of stdout (the first build reports on stderr)
 mapfile -t paths < <(.venv/bin/python -c \
-  "from vllm_moa.demo import ensure_demo_models; print(*ensure_demo_models(), sep='\n')")
+  "from vllm_moa.demo import ensure_demo_models; print(*ensure_demo_models(), sep='\n')" | tail -n 2)
+if [ "${#paths[@]}" -ne 2 ] || [ ! -d "${paths[0]}" ] || [ ! -d "${paths[1]}" ]; then
+  echo "could not build the demo models (see the messages above)" >&2
+  exit 1
+fi
 target=${paths[0]}
 drafter=${paths[1]}
 log=$(mktemp -t vllm-moa-serve.XXXXXX.log)

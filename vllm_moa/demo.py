@@ -9,6 +9,7 @@ drafter (TLI=0) distilled from it with `vllm-moa train`'s pipeline on the same t
 from __future__ import annotations
 
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,12 @@ def ensure_demo_models(
     if (base / _DONE).exists():
         return target_dir, drafter_dir
     shutil.rmtree(base, ignore_errors=True)
-    print(f"building the demo target and drafter in {base} (once, a few minutes) ...", flush=True)
+    # progress on stderr: scripts/demo.sh reads the two paths from stdout
+    print(
+        f"building the demo target and drafter in {base} (once, a few minutes) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     corpus = stdlib_sources(recipe.corpus_bytes)
     build_tiny_target(target_dir, TinyTargetSpec(), corpus=corpus)
     pretrain_target(
