@@ -106,8 +106,14 @@ def build(launch: Launch, arch: int = 90) -> Build:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
 
+    try:
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+    except ImportError as e:
+        raise RuntimeError(
+            f"vllm_moa.kernels.aot uses Triton's JIT internals as of Triton 3.9; this is Triton "
+            f"{triton.__version__} ({e})"
+        ) from e
     if arch not in SHARED_LIMIT:
         raise ValueError(f"arch {arch}: use one of {sorted(SHARED_LIMIT)}")
     kernel = launch.kernel
