@@ -9,8 +9,9 @@ would build it on that GPU (`vllm_moa.kernels.aot`): registers and spills per th
 shared memory against the per-block limit, tensor-core instructions in the SASS. Then the tile
 sweep of `benchmarks/kernels_gpu.py` (Llama-3-8B, bf16, sm_90), so a GPU session's timings can
 be read beside each setting's resources. A default build passes when it fits, spills nothing,
-and (attention kernels, 16-bit) runs its products on the tensor cores; a control (the tree
-kernel's earlier default, which spills) must fail. No GPU needed; timing is
+and (attention kernels, 16-bit) runs its products on the tensor cores, the gather (a copy)
+reading 16 bytes per load; two controls (the tree kernel's earlier default, which spills; the
+gather without its alignment hint) must fail. No GPU needed; timing is
 `benchmarks/kernels_gpu.py`'s job. `--smoke`: Llama-3-8B, fp32 and bf16 only (tests).
 Runs in its own process: the kernels must be compiled, not interpreted (TRITON_INTERPRET unset).
 """
@@ -18,6 +19,7 @@ Runs in its own process: the kernels must be compiled, not interpreted (TRITON_I
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -108,11 +110,13 @@ def built(make: Callable[[], Any], arch: int, **labels: Any) -> dict[str, Any]:
 
 
 def passes(row: dict[str, Any]) -> bool:
-    """A default build: compiled, fits, no spills; 16-bit attention on the tensor cores."""
+    """A default build: compiled, fits, no spills; attention in 16 bits on the tensor cores; the
+    gather (a copy, bandwidth-bound) reading 16 bytes per load."""
     if "error" in row or not row["fits"] or row["local_bytes"]:
         return False
-    attention = row["kernel"] != "_paged_layer_kv_kernel"
-    return not (attention and row["dtype"] != "fp32" and not row["tensor_core_ops"])
+    if row["kernel"] == "_paged_layer_kv_kernel":
+        return row["global_loads"].get("LDG.E.128", 0) > 0
+    return row["dtype"] == "fp32" or bool(row["tensor_core_ops"])
 
 
 def defaults(smoke: bool) -> list[dict[str, Any]]:
@@ -138,11 +142,22 @@ def defaults(smoke: bool) -> list[dict[str, Any]]:
 
 def controls() -> list[dict[str, Any]]:
     """Builds the check must fail (else it checks nothing): the tree kernel's earlier 16-bit
-    default, 64 x 64 tiles with 4 warps, which spills registers on Hopper at head size 128."""
-    make = partial(tree_launch, TREE_SHAPES["llama3-8b"], torch.bfloat16, num_warps=4)
-    row = built(make, 90, shape="llama3-8b", dtype="bf16", requested_warps=4)
-    row["passes"] = passes(row)
-    return [row]
+    default, 64 x 64 tiles with 4 warps, which spills registers on Hopper at head size 128; the
+    gather without its alignment hint (caches at addresses not a multiple of 16 bytes), which
+    loads element by element."""
+    tree = partial(tree_launch, TREE_SHAPES["llama3-8b"], torch.bfloat16, num_warps=4)
+
+    def unaligned_gather():
+        launch = gather_launch(GATHER_SHAPES["llama3-8b"], torch.bfloat16)
+        return dataclasses.replace(launch, kwargs={**launch.kwargs, "ALIGNED": False})
+
+    rows = [
+        built(tree, 90, shape="llama3-8b", dtype="bf16", requested_warps=4),
+        built(unaligned_gather, 90, shape="llama3-8b", dtype="bf16", aligned=False),
+    ]
+    for row in rows:
+        row["passes"] = passes(row)
+    return rows
 
 
 def sweep() -> dict[str, list[dict[str, Any]]]:
@@ -227,7 +242,7 @@ def main() -> int:
                 f"ERROR {r['error']}"
                 if "error" in r
                 else f"regs {r['registers']:>3} spill {r['local_bytes']:>5} B  shared "
-                f"{r['shared_bytes']:>6} B  tc {r['tensor_core_ops']}"
+                f"{r['shared_bytes']:>6} B  tc {r['tensor_core_ops']}  loads {r['global_loads']}"
             )
             + ("" if r["passes"] else "  FAILS")
         )

@@ -5,10 +5,11 @@ Triton's JIT would build it on the GPU (the JIT's own argument specialisation: d
 alignment, integers equal to 1 or divisible by 16) for a chosen architecture, down to the cubin,
 by Triton's compiler and the ptxas it ships (`build`). From the cubin: registers per thread,
 local memory (register spills), the dynamic shared memory the launch asks for (checked against
-the architecture's per-block limit, as the launch would be) and the tensor-core instructions in
-the SASS. No GPU, driver or CUDA toolkit needed; it is what `benchmarks/kernels_aot.py` and
-`tests/test_kernels_aot.py` run, so kernels that would not compile or would not fit on a GPU
-are caught where none is. Timing still needs the GPU (`benchmarks/kernels_gpu.py`).
+the architecture's per-block limit, as the launch would be), and from its SASS the tensor-core
+instructions and the widths of the global loads. No GPU, driver or CUDA toolkit needed; it is
+what `benchmarks/kernels_aot.py` and `tests/test_kernels_aot.py` run, so kernels that would not
+compile or would not fit on a GPU are caught where none is. Timing still needs the GPU
+(`benchmarks/kernels_gpu.py`).
 
 Needs the JIT to compile, not interpret: run it in a process without TRITON_INTERPRET=1.
 Uses two Triton internals (the JIT's argument binder and `_pack_args`), checked on Triton 3.9.
@@ -59,6 +60,7 @@ class Build:
     registers: int  # per thread
     local_bytes: int  # per thread: register spills and stack (0 = none)
     tensor_core_ops: dict[str, int] = field(default_factory=dict)  # SASS instruction counts
+    global_loads: dict[str, int] = field(default_factory=dict)  # SASS LDG* by width, e.g. LDG.E.128
 
     @property
     def fits(self) -> bool:
@@ -77,6 +79,7 @@ class Build:
             "registers": self.registers,
             "local_bytes": self.local_bytes,
             "tensor_core_ops": self.tensor_core_ops,
+            "global_loads": self.global_loads,
             "fits": self.fits,
         }
 
@@ -135,6 +138,7 @@ def build(launch: Launch, arch: int = 90) -> Build:
     )
     usage, sass = _inspect(compiled.asm["cubin"])
     ops = Counter(re.findall(r"\b(" + "|".join(TENSOR_CORE_OPS) + r")\b", sass))
+    loads = Counter(re.findall(r"\b(LDG(?:STS)?(?:\.[A-Z0-9_]+)*)", sass))
     names = kernel.arg_names
     return Build(
         kernel=kernel.__name__,
@@ -146,6 +150,7 @@ def build(launch: Launch, arch: int = 90) -> Build:
         registers=usage["REG"],
         local_bytes=usage["LOCAL"] + usage["STACK"],
         tensor_core_ops=dict(sorted(ops.items())),
+        global_loads=dict(sorted(loads.items())),
     )
 
 

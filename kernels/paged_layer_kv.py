@@ -79,6 +79,7 @@ if triton is not None:
         head_dim,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        ALIGNED: tl.constexpr,  # every base address is a multiple of 16 bytes
     ):
         n = tl.program_id(0)
         layer = tl.program_id(1)
@@ -88,6 +89,11 @@ if triton is not None:
         elem = tl.pointer_type(out_ptr.dtype.element_ty)
         key_base = tl.load(key_table + layer).to(elem)
         value_base = tl.load(value_table + layer).to(elem)
+        if ALIGNED:
+            # addresses read from a table carry no alignment the compiler can see: without
+            # this hint it loads element by element, with it 16 bytes at a time
+            key_base = tl.multiple_of(key_base, 16)
+            value_base = tl.multiple_of(value_base, 16)
         heads = tl.arange(0, BLOCK_H)
         dims = tl.arange(0, BLOCK_D)
         ok = (heads[:, None] < num_heads) & (dims[None, :] < head_dim)
@@ -150,6 +156,7 @@ def paged_layer_kv(
     )
     if slots.shape[0] == 0:
         return out
+    block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
     _paged_layer_kv_kernel[(slots.shape[0], layers)](
         _pointer_table(key_caches),
         _pointer_table(value_caches),
@@ -163,7 +170,11 @@ def paged_layer_kv(
         block_size,
         heads,
         head_dim,
-        BLOCK_H=triton.next_power_of_2(heads),
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        ALIGNED=all(c.data_ptr() % 16 == 0 for c in (*key_caches, *value_caches)),
+        # at least 16 bytes of the tile per thread, so each load is one 16-byte access (4 warps
+        # over Qwen2-7B's 4 x 128 bf16 tile left 8 bytes a thread: benchmarks/kernels_aot.py)
+        num_warps=max(1, min(4, block_h * block_d * first.element_size() // (32 * 16))),
     )
     return out
