@@ -12,7 +12,8 @@ compile or would not fit on a GPU are caught where none is. Timing still needs t
 (`benchmarks/kernels_gpu.py`).
 
 Needs the JIT to compile, not interpret: run it in a process without TRITON_INTERPRET=1.
-Uses two Triton internals (the JIT's argument binder and `_pack_args`), checked on Triton 3.9.
+Uses two Triton internals (the JIT's argument binder and `_pack_args`), checked on Triton 3.6
+and 3.9.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def build(launch: Launch, arch: int = 90) -> Build:
         from triton.runtime.jit import JITFunction, create_function_from_signature
     except ImportError as e:
         raise RuntimeError(
-            f"vllm_moa.kernels.aot uses Triton's JIT internals as of Triton 3.9; this is Triton "
+            f"vllm_moa.kernels.aot uses Triton's JIT internals of Triton 3.6-3.9; this is Triton "
             f"{triton.__version__} ({e})"
         ) from e
     if arch not in SHARED_LIMIT:
