@@ -212,9 +212,11 @@ def main() -> int:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
     sys.path.insert(0, str(ROOT))
     import triton
-    import vllm_moa.kernels  # noqa: F401  (maps this checkout's kernels/ when not installed)
 
+    from benchmarks.kernels_gpu import import_kernels
     from benchmarks.testbed.report import git_sha
+
+    import_kernels()
 
     start = time.perf_counter()
     rows = defaults(args.smoke)

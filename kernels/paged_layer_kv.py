@@ -32,20 +32,21 @@ except ImportError:  # the reference below still works
     triton = None
 
 
-_POINTER_TABLES: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
+_POINTER_TABLES: dict[tuple[torch.device, tuple[int, ...]], tuple[torch.Tensor, bool]] = {}
 
 
-def _pointer_table(caches: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [L] of the caches' base addresses on their device (a pure function of the
-    addresses, so a cached table is never stale)."""
+def _pointer_table(caches: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+    """int64 [L] of the caches' base addresses on their device, and whether every address is a
+    multiple of 16 bytes (the kernel's ALIGNED); a pure function of the addresses, so a cached
+    entry is never stale."""
     key = (caches[0].device, tuple(c.data_ptr() for c in caches))
-    table = _POINTER_TABLES.get(key)
-    if table is None:
+    entry = _POINTER_TABLES.get(key)
+    if entry is None:
         if len(_POINTER_TABLES) >= 64:  # bounded: serving uses a handful of cache sets
             _POINTER_TABLES.clear()
         table = torch.tensor(key[1], dtype=torch.int64, device=key[0])
-        _POINTER_TABLES[key] = table
-    return table
+        entry = _POINTER_TABLES[key] = (table, all(a % 16 == 0 for a in key[1]))
+    return entry
 
 
 def paged_layer_kv_ref(
@@ -157,9 +158,11 @@ def paged_layer_kv(
     if slots.shape[0] == 0:
         return out
     block_h, block_d = triton.next_power_of_2(heads), triton.next_power_of_2(head_dim)
+    key_table, keys_aligned = _pointer_table(key_caches)
+    value_table, values_aligned = _pointer_table(value_caches)
     _paged_layer_kv_kernel[(slots.shape[0], layers)](
-        _pointer_table(key_caches),
-        _pointer_table(value_caches),
+        key_table,
+        value_table,
         slots,
         out,
         first.stride(0),
@@ -172,7 +175,7 @@ def paged_layer_kv(
         head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
-        ALIGNED=all(c.data_ptr() % 16 == 0 for c in (*key_caches, *value_caches)),
+        ALIGNED=keys_aligned and values_aligned,
         # at least 16 bytes of the tile per thread, so each load is one 16-byte access (4 warps
         # over Qwen2-7B's 4 x 128 bf16 tile left 8 bytes a thread: benchmarks/kernels_aot.py)
         num_warps=max(1, min(4, block_h * block_d * first.element_size() // (32 * 16))),

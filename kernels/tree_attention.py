@@ -234,8 +234,8 @@ def tree_attention(
     hkv = k_tree.shape[2]
     block_d = max(16, triton.next_power_of_2(d))
     tiles = default_tiles(q.element_size(), block_d)
-    block_m = check_tile("block_m", block_m or tiles[0], 16)
-    block_n = check_tile("block_n", block_n or tiles[1], 16)
+    block_m = check_tile("block_m", tiles[0] if block_m is None else block_m, 16)
+    block_n = check_tile("block_n", tiles[1] if block_n is None else block_n, 16)
     _tree_attention_kernel[(bsz, hkv, triton.cdiv(m * (h // hkv), block_m))](
         q,
         k_tree,
@@ -270,6 +270,6 @@ def tree_attention(
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps or tiles[2],
+        num_warps=tiles[2] if num_warps is None else num_warps,
     )
     return out
