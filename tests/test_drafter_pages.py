@@ -1,46 +1,25 @@
-"""Pure parts of the drafter's paged state (no vLLM needed): field planning and slot grids."""
+"""Pure parts of the drafter's paged state (no vLLM needed): page views and uploads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm_moa.vllm_plugin.pages import plan_fields, slot_grid
+from vllm_moa.vllm_plugin.paged_attention import page_views
 
 
-def test_fields_take_whole_layers_each():
-    fields = plan_fields({"memory": 256, "sa": 300, "x": 1}, row_width=256)
-    assert [(f.name, f.first_layer, f.num_layers) for f in fields] == [
-        ("memory", 0, 1),
-        ("sa", 1, 2),
-        ("x", 3, 1),
-    ]
-
-
-def test_slot_grid_follows_each_block_table():
-    grid = slot_grid([[5, 2], [7]], block_size=4, width=6, device=torch.device("cpu"))
-    assert grid[0].tolist() == [20, 21, 22, 23, 8, 9]
-    # past a request's blocks: its first block (garbage rows, masked by length)
-    assert grid[1].tolist() == [28, 29, 30, 31, 28, 29]
-
-
-def test_rows_view_any_dense_layout():
-    """Page rows are a view of the layer's buffer whatever the permutation vLLM binds."""
-    from types import SimpleNamespace
-
-    from vllm_moa.vllm_plugin.pages import DrafterPages
-
-    pages = DrafterPages.__new__(DrafterPages)
-    pages.row_width = 8
-    base = torch.zeros(2, 3, 4, 2)  # e.g. a (2, blocks, block, width) buffer, bound permuted
-    pages.layers = [SimpleNamespace(kv_cache=base.permute(1, 0, 2, 3), layer_name="p.0")]
-    rows = pages._rows(0)
-    assert rows.shape == (6, 8)
-    rows[5] = 1.0
-    assert base.sum() == 8  # written through to the buffer
-    pages.layers = [SimpleNamespace(kv_cache=base[:, :2], layer_name="p.0")]  # not dense
+def test_page_views_take_any_dense_layout():
+    """Page views cover the layer's buffer in memory order, whatever permutation vLLM binds;
+    K and V of a slot are written through to the buffer and nothing else is."""
+    base = torch.zeros(2, 3, 4, 8)  # e.g. a (2, blocks, block, width) buffer, bound permuted
+    cache = base.permute(1, 0, 2, 3)  # [3 blocks, 2 heads, 4 slots, 8]
+    key, value = page_views(cache, num_kv_heads=2, head_dim=4)
+    assert key.shape == value.shape == (3, 2, 4, 4)
+    key[2, :, 1] = 1.0
+    value[2, :, 1] = 2.0
+    assert base.sum() == 8 + 16
     with pytest.raises(RuntimeError, match="not one dense buffer"):
-        pages._rows(0)
+        page_views(base[:, :2].permute(1, 0, 2, 3), num_kv_heads=1, head_dim=4)
 
 
 @pytest.mark.parametrize(

@@ -146,39 +146,3 @@ def test_cpu_layout_probe_reads_back_what_vllm_wrote(dtype):
     got_k, got_v = gather_kv(cache.view(blocks, heads, bs, 2 * d), slots, "CPU_ATTN", layout)
     torch.testing.assert_close(got_k, k, rtol=0, atol=0)
     torch.testing.assert_close(got_v, v, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("layout_kind", ["probed_fp32", "probed_bf16", "shuffled", "channel"])
-def test_block_reader_equals_slot_reader(layout_kind):
-    """gather_blocks (whole blocks, strided views; the TLI tail's reader) returns exactly what
-    gather_kv returns for the same positions: for vLLM's own CPU layouts (affine), for an
-    arbitrary in-block permutation (the index fallback) and for the channel-split layout."""
-    from vllm_moa.vllm_plugin.kv_reader import CpuBlockLayout, gather_blocks, gather_kv
-    from vllm_moa.vllm_plugin.pages import block_table, slot_grid
-
-    torch.manual_seed(0)
-    heads, bs, d, blocks = 2, 16, 64, 7
-    dtype = torch.bfloat16 if layout_kind == "probed_bf16" else torch.float32
-    cache = torch.randn(blocks, heads, bs, 2 * d).to(dtype)
-    backend, layout = "CPU_ATTN", None
-    if layout_kind.startswith("probed"):
-        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-        layout = CpuBlockLayout.probe(heads, bs, d, dtype, _get_attn_isa(dtype, bs, d))
-        assert layout.key_affine is not None and layout.value_affine is not None
-    elif layout_kind == "shuffled":
-        perm = torch.randperm(heads * bs * 2 * d)
-        shape = (bs, heads, d)
-        layout = CpuBlockLayout(
-            perm[: perm.numel() // 2].view(shape), perm[perm.numel() // 2 :].view(shape)
-        )
-        assert layout.key_affine is None
-    else:
-        backend = "FLASH_ATTN"
-    ids = [[3, 0, 6], [5], [1, 2]]
-    width = 40  # not a multiple of the block size; rows past a request's blocks are padding
-    k, v = gather_blocks(cache, block_table(ids, bs, width), backend, layout)
-    slots = slot_grid(ids, bs, width, torch.device("cpu"))
-    want_k, want_v = gather_kv(cache, slots.flatten(), backend, layout)
-    torch.testing.assert_close(k[:, :width], want_k.view(3, width, heads, d), rtol=0, atol=0)
-    torch.testing.assert_close(v[:, :width], want_v.view(3, width, heads, d), rtol=0, atol=0)

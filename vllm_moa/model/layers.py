@@ -6,6 +6,7 @@ Shapes: B batch (tokens for LSA), T queries, S keys, H query heads, Hkv KV heads
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +153,12 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, k.dtype)
         return apply_rope(k, cos, sin), v
 
+    def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, W] (already normalised), positions: [T] or [B, T] -> q: [B, H, T, D]."""
+        q = self._heads(self.q_proj(x), self.num_heads)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        return apply_rope(q, cos, sin)
+
     def forward(
         self,
         x: torch.Tensor,  # [B, T, W], already normalised
@@ -160,9 +167,7 @@ class Attention(nn.Module):
         v: torch.Tensor,  # [B, Hkv, S, D]
         mask: torch.Tensor | None,  # bool [T, S] or [B, 1, T, S]; None = full
     ) -> torch.Tensor:
-        q = self._heads(self.q_proj(x), self.num_heads)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
-        q = apply_rope(q, cos, sin)
+        q = self.project_q(x, positions)
         if self.over_layers and mask is None:
             out = layer_axis_attention(q, k, v)
         else:
@@ -225,4 +230,25 @@ class DecoderBlock(nn.Module):
         mask: torch.Tensor | None,  # bool [T, S] or [B, 1, T, S]
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, k, v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def step(
+        self,
+        x: torch.Tensor,  # [B, W]: one new token per row
+        positions: torch.Tensor,  # [B]
+        attend: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
+        self_kv: bool = True,
+    ) -> torch.Tensor:
+        """The block on one token per row with attention supplied by the caller, who owns the
+        keys and values (dense, paged, ...): `attend(q [B, H, D], k, v)` returns [B, H, D],
+        where k, v [B, Hkv, D] are the new token's own (with `self_kv`; else None)."""
+        attn = self.self_attn
+        normed = self.input_layernorm(x)[:, None]  # [B, 1, W]
+        q = attn.project_q(normed, positions[:, None])[:, :, 0]
+        k = v = None
+        if self_kv:
+            k, v = attn.project_kv(normed, positions[:, None])
+            k, v = k[:, :, 0], v[:, :, 0]
+        out = attend(q, k, v)
+        x = x + attn.o_proj(out.flatten(1).to(x.dtype))
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -45,10 +45,6 @@ class CpuBlockLayout:
     def __init__(self, key_index: torch.Tensor, value_index: torch.Tensor) -> None:
         self.key_index = key_index  # long [block_size, H, D]: flat offsets within a block
         self.value_index = value_index
-        # (offset, strides over (token, head, dim)) when the arrangement is affine (the vec /
-        # vec16 kernels), which lets whole blocks be read as strided views; None otherwise.
-        self.key_affine = affine(key_index)
-        self.value_affine = affine(value_index)
 
     @classmethod
     def probe(
@@ -91,20 +87,6 @@ class CpuBlockLayout:
         key_index, value_index = index["k"], index["v"]
         shape = (block_size, num_heads, head_size)
         return cls(key_index.view(shape), value_index.view(shape))
-
-
-def affine(index: torch.Tensor) -> tuple[int, tuple[int, int, int]] | None:
-    """(offset, strides) with index[t, h, d] == offset + t*s0 + h*s1 + d*s2, or None."""
-    origin = index[0, 0, 0]
-    strides = tuple(
-        int(index[tuple(1 if i == axis else 0 for i in range(3))] - origin) if n > 1 else 0
-        for axis, n in enumerate(index.shape)
-    )
-    grid = torch.meshgrid(*(torch.arange(n) for n in index.shape), indexing="ij")
-    rebuilt = origin + sum(g * s for g, s in zip(grid, strides, strict=True))
-    if not torch.equal(rebuilt, index):
-        return None
-    return int(origin), (strides[0], strides[1], strides[2])
 
 
 def gather_kv(
@@ -154,47 +136,6 @@ def gather_layer_kv(
         k, v = gather_kv(cache, slots, backend, cpu_layout)
         rows.append(torch.stack([k, v], dim=2).flatten(1))  # [n, H * 2D]
     return torch.stack(rows, dim=1)
-
-
-def gather_blocks(
-    kv_cache: torch.Tensor,
-    table: torch.Tensor,
-    backend: str,
-    cpu_layout: CpuBlockLayout | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of whole blocks: table [B, n] of block ids -> two [B, n * block_size, H, D]
-    (position p of row b is token p of the request whose block table is table[b]).
-
-    Same values as `gather_kv` on the blocks' slots, but for long prefixes: whole blocks are
-    copied as strided views (an element-wise index of every K/V value costs ~10x more on CPU)."""
-    num_blocks, heads, block_size, width = kv_cache.shape
-    head_size = width // 2
-    rows, n = table.shape
-    if backend in BLOCK_SPLIT_BACKENDS:
-        if cpu_layout is None:
-            raise ValueError("reading a CPU_ATTN cache needs its probed CpuBlockLayout")
-        flat = kv_cache.reshape(num_blocks, -1)
-        out = []
-        for index, aff in (
-            (cpu_layout.key_index, cpu_layout.key_affine),
-            (cpu_layout.value_index, cpu_layout.value_affine),
-        ):
-            if aff is not None:
-                offset, (st, sh, sd) = aff
-                view = flat.as_strided(
-                    (num_blocks, block_size, heads, head_size),
-                    (flat.stride(0), st, sh, sd),
-                    flat.storage_offset() + offset,
-                )
-                part = view[table]  # [B, n, bs, H, D]
-            else:
-                part = flat[table].index_select(-1, index.flatten().to(table.device))
-            out.append(part.reshape(rows, n * block_size, heads, head_size))
-        return out[0], out[1]
-    if backend in CHANNEL_SPLIT_BACKENDS:
-        kv = kv_cache[table].transpose(2, 3).reshape(rows, n * block_size, heads, width)
-        return kv[..., :head_size], kv[..., head_size:]
-    raise ValueError(f"unsupported attention backend {backend!r}")
 
 
 def slots_for_positions(

@@ -14,6 +14,8 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Four pa
 4. `GPUModelRunner.__init__` builds our proposer through the `custom_class` branch, and
    `GPUModelRunner.propose_draft_token_ids` hands MoA steps to it with the runner itself (block
    tables, request states) in reach. `CPUModelRunner` subclasses `GPUModelRunner`.
+5. `VllmConfig.num_lookahead_tokens` is K for MoA, as for vLLM's EAGLE: the scheduler reserves
+   KV slots for the drafted positions, where the proposer writes their SA (and TLI) K/V.
 
 All patches are idempotent; `apply()` refuses any other vLLM version.
 """
@@ -107,7 +109,7 @@ def resolve_moa_drafter(model: object) -> str:
 
 
 def apply() -> None:
-    """Install the four patches (once per process)."""
+    """Install the five patches (once per process)."""
     global _applied
     if _applied:
         return
@@ -116,6 +118,7 @@ def apply() -> None:
     _patch_speculative_post_init()
     _patch_v2_runner_features()
     _patch_model_runner()
+    _patch_lookahead()
     _applied = True
 
 
@@ -246,3 +249,24 @@ def _patch_model_runner() -> None:
     __init__._vllm_moa = True  # type: ignore[attr-defined]
     GPUModelRunner.__init__ = __init__  # type: ignore[method-assign]
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
+
+
+# 5. Lookahead KV slots ------------------------------------------------------------------------
+
+
+def _patch_lookahead() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    original = VllmConfig.__dict__["num_lookahead_tokens"]
+    if getattr(original.fget, "_vllm_moa", False):
+        return
+
+    @functools.wraps(original.fget)
+    def num_lookahead_tokens(self: Any) -> int:
+        spec = self.speculative_config
+        if spec is not None and spec.method == METHOD:
+            return int(spec.num_speculative_tokens)
+        return int(original.fget(self))
+
+    num_lookahead_tokens._vllm_moa = True  # type: ignore[attr-defined]
+    VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)  # type: ignore[method-assign,assignment]

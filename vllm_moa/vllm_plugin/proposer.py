@@ -2,18 +2,21 @@
 
 The drafter's state lives in paged KV blocks that vLLM allocates, accounts and frees with the
 target's (`pages.DrafterPages`: extra attention layers in the target's KV-cache group), at each
-verified token position p:
-- the CA memory K|V of token p: the target's K|V of every layer at p, read from its paged cache
-  (by block table), through LSA + mean + Ekv2E once;
-- the SA K|V of token p (it depends on the token and position only).
+token position p:
+- the CA memory K/V of verified token p: the target's K|V of every layer at p, read from its
+  paged cache (by slot), through LSA + mean + Ekv2E once;
+- the SA K/V of token p (it depends on the token and position only).
 After each target step the proposer writes the rows of the newly verified tokens (all tokens with
 target K/V in the cache: all but the one just sampled), then drafts K tokens greedily from the
 last sampled token, exactly as the standalone engine's `MoAProposer` does (a test checks they
-agree token for token): SA over the pages plus this cycle's drafts, CA over the memory pages, TLI
-through the target's own last layers (the verified prefix's K/V read from the target's pages; the
-drafted positions' K/V stay in this cycle's tensors, so the verified cache is only read), the
-target's LM head. Greedy drafts keep vLLM's rejection sampler lossless at any temperature (it
-treats the draft as a point mass).
+agree token for token). Each draft step runs one query per request and reads the history where
+it lives (`paged_attention`: vLLM's own paged-attention ops on the CPU): SA over the SA pages,
+into which the step first writes its own K/V; CA over the memory pages; TLI through the target's
+own last layers, attending over the target's paged cache, into which the drafted positions' K/V
+are written at slots the scheduler reserved for them (lookahead slots, as for vLLM's EAGLE; the
+next target step overwrites them with the verified K/V before reading them). Nothing of a
+request's history is copied per cycle. Greedy drafts keep vLLM's rejection sampler lossless at
+any temperature (it treats the draft as a point mass).
 
 Per request the proposer keeps only how many positions it has written and for which block
 allocation: chunked prefill needs nothing special (rows are written up to whatever the target
@@ -23,7 +26,6 @@ new blocks) or a reused request id gets its rows rewritten from position 0.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -37,11 +39,11 @@ from vllm_moa.model.moa import MoADrafter
 from vllm_moa.vllm_plugin.kv_reader import (
     CpuBlockLayout,
     check_backend,
-    gather_blocks,
     gather_layer_kv,
     slots_for_positions,
 )
-from vllm_moa.vllm_plugin.pages import DrafterPages, block_table, slot_grid
+from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV, layer_kv
+from vllm_moa.vllm_plugin.pages import DrafterPages
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 from vllm_moa.vllm_plugin.uploads import upload
 
@@ -60,48 +62,6 @@ class RequestState:
 
     block_ids: Any  # the runner's CachedRequestState.block_ids the pages were written for
     written: int = 0  # positions 0..written-1 (verified tokens) have memory + SA rows
-
-
-@dataclass
-class PaddedKV:
-    """K/V [B, H, S, D] (rows of different lengths, padded; possibly strided views of a gather)
-    with room to append positions per row (one per draft step) without re-padding."""
-
-    k: torch.Tensor  # [B, H, S, D]
-    v: torch.Tensor
-    lengths: torch.Tensor  # long [B]
-
-    @classmethod
-    def from_rows(cls, rows: torch.Tensor, heads: int, lengths: torch.Tensor) -> PaddedKV:
-        """rows [B, S, 2 * heads * D] as stored in the pages: per position [K | V]."""
-        kv = rows.unflatten(-1, (2, heads, -1))  # [B, S, 2, H, D]
-        return cls(kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2), lengths.clone())
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """bool [B, 1, 1, S]: key j of row b is visible."""
-        cols = torch.arange(self.k.shape[2], device=self.k.device)
-        return (cols[None, :] < self.lengths[:, None])[:, None, None, :]
-
-    def visible(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
-        """`mask` for queries at positions [B], within a sliding window if there is one (for
-        caches whose column j holds position j, as the TLI tail's do)."""
-        if window is None:
-            return self.mask
-        cols = torch.arange(self.k.shape[2], device=self.k.device)
-        return self.mask & (cols[None, :] > positions[:, None] - window)[:, None, None, :]
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One more position per row: k, v [B, H, D]."""
-        rows = torch.arange(k.shape[0], device=k.device)
-        self.k[rows, :, self.lengths] = k.to(self.k.dtype)
-        self.v[rows, :, self.lengths] = v.to(self.v.dtype)
-        self.lengths += 1
-
-
-def kv_rows(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """k, v [1, H, N, D] -> page rows [N, 2 * H * D] ([K | V] per position)."""
-    return torch.cat([k[0].transpose(0, 1).flatten(1), v[0].transpose(0, 1).flatten(1)], dim=-1)
 
 
 class MoAVllmProposer:
@@ -128,6 +88,7 @@ class MoAVllmProposer:
         self.pages: DrafterPages | None = None
         self._where: dict[str, tuple[int, int]] | None = None  # layer name: group, block size
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
+        self._stores: dict[str, PagedKV] | None = None  # SA / memory pages, target tail layers
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -162,10 +123,7 @@ class MoAVllmProposer:
         self.device = device
         sa, ca = drafter.self_attention.self_attn, drafter.cross_attention.self_attn
         self.pages = DrafterPages(
-            {
-                "memory": 2 * ca.num_kv_heads * ca.head_dim,
-                "sa": 2 * sa.num_kv_heads * sa.head_dim,
-            },
+            {"memory": (ca.num_kv_heads, ca.head_dim), "sa": (sa.num_kv_heads, sa.head_dim)},
             like=target.attn_layers[0],
             vllm_config=self.vllm_config,
         )
@@ -235,8 +193,9 @@ class MoAVllmProposer:
             batch.token_ids_cpu[r, s.written : n].tolist()
             for r, s, n in zip(rows, states, lengths, strict=True)
         ]
-        last_k, last_v = self._write_pages(runner, states, pending)
-        chains = self._draft(runner, states, pending, last_k, last_v, max(budgets))
+        self._bind_stores(runner)
+        self._write_pages(runner, states, pending)
+        chains = self._draft(runner, rows, states, pending, budgets)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
         trace = os.environ.get(TRACE_ENV)
@@ -282,10 +241,6 @@ class MoAVllmProposer:
             ]
         )
 
-    def _gather_blocks(self, attn: Any, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K, V [B, n * block_size, Hkv, D] of whole blocks `table` [B, n]."""
-        return gather_blocks(attn.kv_cache, table, *self._cache_layout(attn))
-
     def _cache_layout(self, attn: Any) -> tuple[str, CpuBlockLayout | None]:
         """The layer's backend name and, for CPU_ATTN, its probed in-block layout (cached)."""
         backend = attn.attn_backend.get_name()
@@ -313,87 +268,130 @@ class MoAVllmProposer:
 
     def _write_pages(
         self, runner: Any, states: list[RequestState], pending: list[list[int]]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Memory and SA rows for every newly verified token (all pending but the last), written
-        to the pages; returns the SA K/V [B, Hkv, D] of each request's last token (the first
-        query of this draft, not yet verified: kept out of the pages)."""
-        drafter, target, pages = self.drafter, self.target, self.pages
-        assert drafter is not None and target is not None and pages is not None
-        spans = [(s.written, s.written + len(p) - 1) for s, p in zip(states, pending, strict=True)]
-        block_ids = [s.block_ids for s in states]
-        group_key = self._page_key(runner)
-        # SA: K/V of a position depends on its token only; one projection for all pending.
-        ids = upload([t for p in pending for t in p], self.device)
-        positions = upload(torch.cat([torch.arange(a, b + 1) for a, b in spans]), self.device)
-        sa_k, sa_v = drafter.self_attention.kv_from(
-            target.embed(ids).to(self._dtype)[None], positions
-        )  # [1, Hkv, P, D]
-        # Row indices (host-built: no device sync): each request's last token, and the rest.
-        ends = [end - 1 for end in itertools.accumulate(len(p) for p in pending)]
-        last_rows = upload(ends, self.device)
-        verified_rows = upload(sorted(set(range(len(ids))) - set(ends)), self.device)
-        todo = [i for i, (a, b) in enumerate(spans) if b > a]
-        if todo:
-            new_spans = [spans[i] for i in todo]
-            new_blocks = [block_ids[i] for i in todo]
-            slots = self._span_slots(group_key, new_blocks, new_spans)
-            pages.write("sa", slots, kv_rows(sa_k[:, :, verified_rows], sa_v[:, :, verified_rows]))
-            layer_kv = self._read_layer_kv(runner, new_blocks, new_spans)
-            memory = drafter.encode_memory(layer_kv.to(self._dtype))  # [N, E]
-            mem_positions = torch.cat([torch.arange(a, b) for a, b in new_spans])
-            k, v = drafter.memory_kv(memory[None], upload(mem_positions, self.device))
-            pages.write("memory", slots, kv_rows(k, v))
-            for i in todo:
-                states[i].written = spans[i][1]
-        return sa_k[0, :, last_rows].transpose(0, 1), sa_v[0, :, last_rows].transpose(0, 1)
+    ) -> None:
+        """Memory and SA rows for every newly verified token (all pending but the last, whose
+        SA row the first draft step writes and which has no target K/V yet)."""
+        drafter, target, stores = self.drafter, self.target, self._stores
+        assert drafter is not None and target is not None and stores is not None
+        todo = [i for i, p in enumerate(pending) if len(p) > 1]
+        if not todo:
+            return
+        spans = [(states[i].written, states[i].written + len(pending[i]) - 1) for i in todo]
+        block_ids = [states[i].block_ids for i in todo]
+        slots = self._span_slots(self._page_key(runner), block_ids, spans)
+        positions = upload(torch.cat([torch.arange(a, b) for a, b in spans]), self.device)
+        ids = upload([t for i in todo for t in pending[i][:-1]], self.device)
+        # SA: K/V of a position depend on its token only.
+        k, v = drafter.self_attention.kv_from(target.embed(ids).to(self._dtype)[None], positions)
+        stores["sa"].write(k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
+        layer_kv_rows = self._read_layer_kv(runner, block_ids, spans)
+        memory = drafter.encode_memory(layer_kv_rows.to(self._dtype))  # [N, E]
+        k, v = drafter.memory_kv(memory[None], positions)
+        stores["memory"].write(k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
+        for i, (_, end) in zip(todo, spans, strict=True):
+            states[i].written = end
+
+    def _bind_stores(self, runner: Any) -> dict[str, PagedKV]:
+        """The paged K/V stores the drafting reads: SA and memory pages, and (TLI) the target's
+        last layers' caches. Built once the caches are bound."""
+        if self._stores is None:
+            drafter, target, pages = self.drafter, self.target, self.pages
+            assert drafter is not None and target is not None and pages is not None
+            backend = target.attn_layers[0].attn_backend.get_name()
+            stores = {name: pages.store(name, self._dtype, backend) for name in pages.fields}
+            tli = drafter.config.tli
+            for index in range(target.shape.num_layers - tli, target.shape.num_layers):
+                stores[f"tail{index}"] = layer_kv(target.attn_layers[index], backend)
+            self._stores = stores
+        return self._stores
+
+    def _block_table(self, runner: Any, rows: list[int], key: tuple[int, int]) -> torch.Tensor:
+        """int32 [B, n] block tables of the batch rows `rows` for the KV-cache group of `key`, from
+        the runner's own host copy (kept up to date by the runner for this step)."""
+        group, block_size = key
+        table = runner.input_batch.block_table[group]
+        if table.block_size != block_size:
+            raise RuntimeError(
+                f"vllm_moa: the runner's block table uses blocks of {table.block_size} tokens, "
+                f"the KV-cache group {block_size}: kernel block sizes that split a scheduler "
+                "block are not supported"
+            )
+        host = table.get_cpu_tensor()
+        index = torch.tensor(rows, dtype=torch.long)
+        width = int(table.num_blocks_per_row[rows].max())
+        return upload(host[index, :width], self.device)
 
     def _draft(
         self,
         runner: Any,
+        rows: list[int],
         states: list[RequestState],
         pending: list[list[int]],
-        last_k: torch.Tensor,
-        last_v: torch.Tensor,
-        steps: int,
+        budgets: list[int],
     ) -> list[list[int]]:
-        """`steps` greedy drafts per request; one host sync, at the end."""
-        drafter, target, pages = self.drafter, self.target, self.pages
-        assert drafter is not None and target is not None and pages is not None
-        sa = drafter.self_attention
-        verified = upload([s.written for s in states], self.device)
-        # room for this cycle's drafted positions (from host ints: no device sync)
-        width = max(s.written for s in states) + steps
-        group, block_size = self._page_key(runner)
-        slots = slot_grid([s.block_ids[group] for s in states], block_size, width, self.device)
-        sa_kv = PaddedKV.from_rows(
-            pages.gather("sa", slots).to(self._dtype), sa.self_attn.num_kv_heads, verified
-        )
-        sa_kv.append(last_k, last_v)  # the last token sees itself
+        """max(budgets) greedy drafts per request; one host sync, at the end."""
+        drafter, target = self.drafter, self.target
+        assert drafter is not None and target is not None
+        stores = self._stores
+        assert stores is not None
+        page_key = self._page_key(runner)
+        table = self._block_table(runner, rows, page_key)
+        block_size = page_key[1]
+        tli = drafter.config.tli
+        total = target.shape.num_layers
+        tail_keys = self._groups(runner, target.layer_names[total - tli :]) if tli else []
+        tail_tables = {key: self._block_table(runner, rows, key) for key in set(tail_keys)}
+        # Each last token's position, and the memory rows (verified tokens) every draft sees.
+        verified = [s.written for s in states]
+        positions = upload(verified, self.device)
+        memory_lens = upload([max(n, 1) for n in verified], self.device).to(torch.int32)
         # A one-token prompt has no verified token yet: an empty memory (its CA output is zero).
-        memory = PaddedKV.from_rows(
-            pages.gather("memory", slots).to(self._dtype),
-            drafter.cross_attention.self_attn.num_kv_heads,
-            verified,
-        )
-        memory_mask = memory.mask  # fixed for the whole draft (memory rows never grow in it)
-        tail = self._tail_batch(runner, [s.block_ids for s in states], width, verified)
-        query = target.embed(upload([p[-1] for p in pending], self.device))
-        query = query.to(self._dtype)[:, None]  # [B, 1, E]
-        positions = verified[:, None].clone()  # each last token's position
+        has_memory = upload([int(n > 0) for n in verified], self.device)[:, None, None]
+        ends = upload([n + b for n, b in zip(verified, budgets, strict=True)], self.device)
+        tokens = upload([p[-1] for p in pending], self.device)
+        sa, ca = drafter.self_attention, drafter.cross_attention
+
+        def slots_of(pos: torch.Tensor, blocks: torch.Tensor, size: int) -> torch.Tensor:
+            # Positions past a request's budget have no reserved slot: never written.
+            slot = blocks.gather(1, (pos // size)[:, None].clamp(max=blocks.shape[1] - 1))[:, 0]
+            return torch.where(pos < ends, slot.long() * size + pos % size, PADDING_SLOT)
+
         drafted: list[torch.Tensor] = []
-        for step in range(steps):
-            if step:  # the previous draft is the next query, and its SA K/V joins the cache
-                query = target.embed(drafted[-1]).to(self._dtype)[:, None]
-                k, v = sa.kv_from(query, positions)
-                sa_kv.append(k[:, :, 0], v[:, :, 0])
-            h = sa(query, positions, sa_kv.k, sa_kv.v, sa_kv.mask)
-            # Every memory row (< p <= position) is visible to a drafted position.
-            h = drafter.cross_attention(h, positions, memory.k, memory.v, memory_mask)[:, 0]
+        for _ in range(max(budgets)):
+            slots = slots_of(positions, table, block_size)
+            lens = (positions + 1).to(torch.int32)
+
+            def self_attend(
+                q: torch.Tensor,
+                k: torch.Tensor | None,
+                v: torch.Tensor | None,
+                slots: torch.Tensor = slots,
+                lens: torch.Tensor = lens,
+            ) -> torch.Tensor:
+                assert k is not None and v is not None
+                stores["sa"].write(k, v, slots)  # the step's own K/V first: it sees itself
+                return stores["sa"].attend(q, table, lens)
+
+            def cross_attend(q: torch.Tensor, *_: Any) -> torch.Tensor:
+                return stores["memory"].attend(q, table, memory_lens) * has_memory
+
+            h = target.embed(tokens).to(self._dtype)
+            h = sa.step(h, positions, self_attend)
+            h = ca.step(h, positions, cross_attend, self_kv=False)
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
-            if tail:
-                h = self._run_tail(tail, h, positions[:, 0])
-            drafted.append(target.logits(h.to(self._target_dtype)).argmax(dim=-1))
+            if tli:
+                h = h.to(self._target_dtype)
+                for index, key in zip(range(total - tli, total), tail_keys, strict=True):
+                    tail_table = tail_tables[key]
+                    q, k, v = target.tail_qkv(index, h, positions)
+                    store = stores[f"tail{index}"]
+                    store.write(k, v, slots_of(positions, tail_table, key[1]))
+                    out = store.attend(q, tail_table, lens, target.window(index))
+                    h = target.tail_finish(index, h, out)
+                h = target.final_norm(h)
+            tokens = target.logits(h.to(self._target_dtype)).argmax(dim=-1)
+            drafted.append(tokens)
             positions = positions + 1
         chains: list[list[int]] = torch.stack(drafted, dim=1).tolist()
         return chains
@@ -401,46 +399,3 @@ class MoAVllmProposer:
     @property
     def _target_dtype(self) -> torch.dtype:
         return self.vllm_config.model_config.dtype
-
-    # -- TLI ---------------------------------------------------------------------------------------
-
-    def _tail_batch(
-        self, runner: Any, block_ids: list[Any], width: int, verified: torch.Tensor
-    ) -> list[PaddedKV]:
-        """Per tail layer, the verified prefix's K/V read from the target's own paged cache (whole
-        blocks), with room for this cycle's drafted positions (which never touch the target's
-        cache): [B, Hkv, width, D] each."""
-        assert self.drafter is not None and self.target is not None
-        tli = self.drafter.config.tli
-        if not tli:
-            return []
-        attns = self.target.attn_layers[-tli:]
-        keys = self._groups(runner, [a.layer_name for a in attns])
-        tables = {
-            (group, size): upload(
-                block_table([ids[group] for ids in block_ids], size, width), self.device
-            )
-            for group, size in set(keys)
-        }
-        out = []
-        for attn, key in zip(attns, keys, strict=True):
-            k, v = self._gather_blocks(attn, tables[key])  # [B, S, Hkv, D]
-            k = k[:, :width].transpose(1, 2).to(self._target_dtype)
-            v = v[:, :width].transpose(1, 2).to(self._target_dtype)
-            out.append(PaddedKV(k, v, verified.clone()))
-        return out
-
-    def _run_tail(
-        self, tail: list[PaddedKV], hidden: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """Run the target's last layers on drafted hidden [B, E] at positions [B]; their K/V
-        are appended to `tail` (this cycle only) so later drafted positions see them."""
-        assert self.target is not None
-        total = self.target.shape.num_layers
-        h = hidden.to(self._target_dtype)
-        for kv, index in zip(tail, range(total - len(tail), total), strict=True):
-            q, k, v = self.target.tail_qkv(index, h, positions)  # [B, H, D], [B, Hkv, D]
-            kv.append(k, v)
-            mask = kv.visible(positions, self.target.window(index))
-            h = self.target.tail_finish(index, h, q, kv.k, kv.v, mask)
-        return self.target.final_norm(h)

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.layers import masked_attention
 
 
 class VllmTargetView:
@@ -96,13 +95,8 @@ class VllmTargetView:
         self,
         index: int,
         hidden: torch.Tensor,  # [B, E] residual input of the layer
-        q: torch.Tensor,  # [B, H, D]
-        k: torch.Tensor,  # [B, Hkv, S, D] padded keys per row
-        v: torch.Tensor,
-        mask: torch.Tensor,  # bool [B, 1, 1, S]
+        attn_out: torch.Tensor,  # [B, H, D]: the layer's attention output per head
     ) -> torch.Tensor:
         layer = self.layers[index]
-        out = masked_attention(q[:, :, None], k, v, mask)  # [B, H, 1, D]
-        out = out[:, :, 0].flatten(1).to(hidden.dtype)
-        h = hidden + layer.self_attn.o_proj(out)[0]
+        h = hidden + layer.self_attn.o_proj(attn_out.flatten(1).to(hidden.dtype))[0]
         return h + layer.mlp(layer.post_attention_layernorm(h))

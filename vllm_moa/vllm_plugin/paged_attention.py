@@ -1,0 +1,236 @@
+"""Attention that reads K/V where they live: in vLLM's paged caches, addressed by block tables.
+
+A `PagedKV` is one K/V store of `num_kv_heads` heads of `head_dim` inside one vLLM layer's cache:
+`write` puts the K/V of token slots into it, `attend` runs decode attention for one query per
+request (at the request's last position) over the first `seq_lens[b]` positions of the request
+whose blocks are `block_table[b]`. Nothing is gathered into dense per-request tensors:
+
+- `CpuPagedKV` (CPU_ATTN): vLLM's own C++ paged-attention and cache-write ops, the ones its CPU
+  backend runs for the target. Used for the drafter's pages and, with TLI, the target's last
+  layers' caches.
+- `TorchPagedKV`: a PyTorch reference for the channel-split layouts (K then V in the last axis:
+  FLASH_ATTN / TRITON_ATTN / FLEX_ATTENTION) and for tests. It reads each request's blocks
+  through the block table on every call (a gather): correct anywhere, but its cost grows with
+  the context; CUDA backends get a paged kernel in its place.
+
+The drafter's own pages hold only our K/V, so their in-block arrangement is ours to choose:
+`page_views` reinterprets each block of a page layer (a dense [heads, 2 x block, dim] buffer on
+every backend) as [heads', 2 x block, dim'] for the drafter's head size and uses its first
+`num_kv_heads` heads: keys in the first half of the block axis, values in the second, exactly as
+the CPU backend views its own caches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+PADDING_SLOT = -1  # a slot that `write` skips (vLLM's PADDING_SLOT_ID)
+
+
+class PagedKV(Protocol):
+    num_kv_heads: int
+    head_dim: int
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        """k, v [N, num_kv_heads, head_dim] at slots [N] (PADDING_SLOT: skipped)."""
+
+    def attend(
+        self,
+        q: torch.Tensor,  # [B, H, D]: one query per request, at position seq_lens[b] - 1
+        block_table: torch.Tensor,  # int32 [B, n]
+        seq_lens: torch.Tensor,  # int32 [B], each >= 1
+        window: int | None = None,  # sliding window (keys within the last `window` positions)
+    ) -> torch.Tensor:
+        """Softmax attention (scale head_dim ** -0.5): [B, H, D]."""
+        ...
+
+
+def page_views(
+    cache: torch.Tensor, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value views [num_blocks, num_kv_heads, block_size, head_dim] over a page layer's
+    cache [num_blocks, heads, block_size, 2 * head_size] (the drafter's layout, see above). The
+    buffer is taken in its memory order (vLLM may bind it permuted): any bijection from (block,
+    head, offset, dim) onto its elements is a valid layout for rows that only we read."""
+    blocks, heads, block_size, width = cache.shape
+    per_block = heads * width // 2  # values per token and block half (K or V)
+    if per_block % head_dim or per_block // head_dim < num_kv_heads:
+        raise ValueError(
+            f"a page layer holds {per_block} K values per token, too few for "
+            f"{num_kv_heads} heads of {head_dim}: this drafter's SA / CA K/V are wider than the "
+            "target's K/V of one layer, which paged drafting in vLLM does not support"
+        )
+    order = sorted(range(cache.dim()), key=cache.stride, reverse=True)
+    dense = cache.permute(order)
+    if not dense.is_contiguous():
+        raise RuntimeError(
+            f"vllm_moa: a page layer's KV cache of shape {tuple(cache.shape)}, strides "
+            f"{cache.stride()} is not one dense buffer"
+        )
+    view = dense.view(blocks, per_block // head_dim, 2 * block_size, head_dim)[:, :num_kv_heads]
+    key, value = view.chunk(2, dim=2)
+    return key, value
+
+
+def fits_one_layer(like_kv_heads: int, like_head_size: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether K/V of `kv_heads` x `head_dim` fit a page layer shaped like the target's."""
+    per_block = like_kv_heads * like_head_size
+    return per_block % head_dim == 0 and per_block // head_dim >= kv_heads
+
+
+class TorchPagedKV:
+    """Reference implementation over key/value views [num_blocks, Hkv, block_size, D]."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.key, self.value = key, value
+        self.num_kv_heads, self.block_size, self.head_dim = key.shape[1:]
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+        blocks, offsets = slots // self.block_size, slots % self.block_size
+        self.key[blocks, :, offsets] = k.to(self.key.dtype)
+        self.value[blocks, :, offsets] = v.to(self.value.dtype)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        table = block_table.long()
+        rows, n = table.shape
+
+        def read(cache: torch.Tensor) -> torch.Tensor:  # [B, Hkv, n * block_size, D]
+            part = cache[table].transpose(1, 2)  # [B, Hkv, n, block_size, D]
+            return part.reshape(rows, self.num_kv_heads, n * self.block_size, self.head_dim)
+
+        k, v = read(self.key), read(self.value)
+        cols = torch.arange(k.shape[2], device=q.device)
+        lens = seq_lens.long()[:, None]
+        visible = cols[None, :] < lens
+        if window is not None and window > 0:
+            visible &= cols[None, :] >= lens - window
+        out = F.scaled_dot_product_attention(
+            q[:, :, None].to(k.dtype),
+            k,
+            v,
+            attn_mask=visible[:, None, None, :],
+            enable_gqa=q.shape[1] != self.num_kv_heads,
+        )
+        return out[:, :, 0].to(q.dtype)
+
+
+class CpuPagedKV:
+    """vLLM's CPU_ATTN ops over key/value views [num_blocks, Hkv, block_size, D] (the views
+    vLLM's CPU backend makes of a cache, or `page_views`); `isa` picks the in-block
+    arrangement (vLLM's choice for the target's layers; any consistent one for our pages)."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, isa: str) -> None:
+        self.key, self.value, self.isa = key, value, isa
+        self.num_kv_heads, self.block_size, self.head_dim = key.shape[1:]
+        self.scale = self.head_dim**-0.5
+        self._starts: torch.Tensor | None = None
+
+    @classmethod
+    def for_pages(
+        cls, cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> CpuPagedKV:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        key, value = page_views(cache, num_kv_heads, head_dim)
+        return cls(key, value, _get_attn_isa(dtype, cache.shape[2], head_dim, "auto"))
+
+    @classmethod
+    def for_layer(cls, attn: Any) -> CpuPagedKV:
+        """A target attention layer's own cache, as its backend reads it."""
+        cache = attn.kv_cache
+        blocks, heads, block_size, _ = cache.shape
+        key, value = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
+        return cls(key, value, attn.isa)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        ops.cpu_attn_reshape_and_cache(
+            k.to(self.key.dtype).contiguous(),
+            v.to(self.value.dtype).contiguous(),
+            self.key,
+            self.value,
+            slots,
+            self.isa,
+        )
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        from vllm import _custom_ops as ops
+
+        rows = q.shape[0]
+        if self._starts is None or self._starts.shape[0] != rows + 1:
+            self._starts = torch.arange(rows + 1, dtype=torch.int32, device=q.device)
+        window_size = window if window is not None and window > 0 else -1
+        query = q.to(self.key.dtype).contiguous()
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows,
+            num_heads=query.shape[1],
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            seq_lens=seq_lens,
+            dtype=query.dtype,
+            query_start_loc=self._starts,
+            causal=True,
+            sliding_window_size=window_size,
+            isa=self.isa,
+            enable_kv_split=False,
+        )
+        out = torch.empty_like(query)
+        ops.cpu_attention_with_kv_cache(
+            query=query,
+            key_cache=self.key,
+            value_cache=self.value,
+            output=out,
+            query_start_loc=self._starts,
+            seq_lens=seq_lens,
+            scale=self.scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=window_size,
+            block_table=block_table,
+            softcap=0.0,
+            scheduler_metadata=metadata,
+            s_aux=None,
+        )
+        return out.to(q.dtype)
+
+
+CHANNEL_SPLIT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
+
+
+def pages_kv(
+    cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype, backend: str
+) -> PagedKV:
+    """A store in one of the drafter's page layers, for the layer's attention backend."""
+    if backend == "CPU_ATTN":
+        return CpuPagedKV.for_pages(cache, num_kv_heads, head_dim, dtype)
+    return TorchPagedKV(*page_views(cache, num_kv_heads, head_dim))
+
+
+def layer_kv(attn: Any, backend: str) -> PagedKV:
+    """A target attention layer's own cache, read (and, for drafted positions, written) as its
+    backend lays it out."""
+    if backend == "CPU_ATTN":
+        return CpuPagedKV.for_layer(attn)
+    if backend in CHANNEL_SPLIT_BACKENDS:
+        cache = attn.kv_cache
+        head_size = cache.shape[-1] // 2
+        return TorchPagedKV(cache[..., :head_size], cache[..., head_size:])
+    raise ValueError(f"unsupported attention backend {backend!r}")
