@@ -18,7 +18,7 @@ drafter=${paths[1]}
 log=$(mktemp -t vllm-moa-serve.XXXXXX.log)
 echo "starting vllm serve on port $PORT (log: $log) ..."
 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} .venv/bin/vllm serve "$target" \
-  --served-model-name vllm-moa-demo --port "$PORT" --enforce-eager \
+  --served-model-name vllm-moa-demo --port "$PORT" \
   --speculative-config "{\"method\": \"moa\", \"model\": \"$drafter\", \"num_speculative_tokens\": 4}" \
   >"$log" 2>&1 &
 server=$!

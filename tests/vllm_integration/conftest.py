@@ -100,7 +100,7 @@ def make_llm(target: Path, drafter: Path | None = None, k: int = 4, method: str 
     return LLM(
         model=str(target),
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=kwargs.pop("enforce_eager", True),
         max_model_len=kwargs.pop("max_model_len", 512),
         speculative_config=spec,
         disable_log_stats=False,

@@ -15,8 +15,9 @@ from vllm_moa.vllm_plugin.paged_attention import (
 
 
 def _fill(store, num_blocks: int, block_size: int, gen: torch.Generator) -> torch.Tensor:
-    """Write random K/V to every slot but a few (padding slots); returns the slots."""
-    slots = torch.randperm(num_blocks * block_size, generator=gen)
+    """Write random K/V to every slot but a few (padding slots) outside block 0 (vLLM's null
+    block, where the reference writes padding); returns the slots."""
+    slots = block_size + torch.randperm((num_blocks - 1) * block_size, generator=gen)
     slots[:5] = PADDING_SLOT
     k = torch.randn(slots.numel(), store.num_kv_heads, store.head_dim, generator=gen)
     v = torch.randn(slots.numel(), store.num_kv_heads, store.head_dim, generator=gen)
@@ -43,7 +44,9 @@ def test_cpu_ops_match_the_reference(target_heads, target_dim, heads, dim, query
     _fill(cpu, num_blocks, block_size, torch.Generator().manual_seed(1))
     _fill(ref, num_blocks, block_size, torch.Generator().manual_seed(1))
     rows = 5
-    table = torch.stack([torch.randperm(num_blocks, generator=gen)[:4] for _ in range(rows)])
+    table = 1 + torch.stack(
+        [torch.randperm(num_blocks - 1, generator=gen)[:4] for _ in range(rows)]
+    )
     table = table.to(torch.int32)
     seq_lens = torch.tensor([1, 31, 32, 77, 128], dtype=torch.int32)
     q = torch.randn(rows, query_heads, dim, generator=gen)

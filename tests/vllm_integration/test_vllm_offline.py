@@ -78,6 +78,18 @@ def test_greedy_outputs_equal_plain_decoding_batched(moa_pair):
     assert len(results) == len(PROMPTS)
 
 
+def test_default_mode_needs_no_enforce_eager(moa_pair):
+    """vLLM's default mode (the target compiled with torch.compile, as `vllm serve` runs it
+    without --enforce-eager): MoA TLI=1, which runs the compiled target's own last layers, keeps
+    greedy outputs equal to plain decoding."""
+    plain = make_llm(moa_pair["target"])
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:4], greedy())]
+    del plain
+    llm = make_llm(moa_pair["target"], moa_pair["tli1"], k=4, enforce_eager=False)
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], greedy())] == expected
+    assert spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
 def test_sampling_runs_and_reports_acceptance(moa_pair):
     from vllm import SamplingParams
 

@@ -30,7 +30,7 @@ def server(moa_pair, tmp_path_factory):
     cmd = [
         str(vllm), "serve", str(moa_pair["target"]),
         "--served-model-name", "tiny", "--port", str(port), "--host", "127.0.0.1",
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "512",
+        "--dtype", "float32", "--max-model-len", "512",  # default mode: compiled target
         "--spec-method", "moa", "--spec-model", str(moa_pair["tli0"]), "--spec-tokens", "4",
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -14,12 +14,14 @@ K/V are cropped off the target cache afterwards) and the target's LM head.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from vllm_moa.decoding.moa_tree import MoATreeDrafter
 from vllm_moa.decoding.proposer import DraftProposal, choose_token
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.model.kv_cache import KVCache
+from vllm_moa.model.layers import masked_attention
 from vllm_moa.model.moa import MoADrafter
 from vllm_moa.target.adapter import HFTarget, TargetOutput
 
@@ -73,18 +75,25 @@ class MoAProposer:
         device = self.target.device
         ids = torch.tensor(self.tokens[first : position + 1], device=device)
         positions = torch.arange(first, position + 1, device=device)
-        sa = self.drafter.self_attention
-        emb = self.target.embed(ids).to(self.dtype)[None]  # [1, n, E]
-        k, v = sa.kv_from(emb, positions)
-        k, v = self.sa_cache.update(k, v, 0)
-        last = positions[-1:]
-        # Only the last query is needed; it sees every cached key (all at positions <= it).
-        h = sa(emb[:, -1:], last, k, v, None)
-        mem_k, mem_v = self.memory.get(0)
-        # Every memory row (< verified_len <= position) is visible to a drafted position.
-        h = self.drafter.cross_attention(h, last, mem_k, mem_v, None)[0]  # [1, E]
+        emb = self.target.embed(ids).to(self.dtype)  # [n, E]
+        if len(ids) > 1:  # SA K/V of the earlier pending tokens; the step adds the last one's
+            k, v = self.drafter.self_attention.kv_from(emb[None, :-1], positions[:-1])
+            self.sa_cache.update(k, v, 0)
+
+        def self_attend(q: torch.Tensor, k: Tensor | None, v: Tensor | None) -> torch.Tensor:
+            assert k is not None and v is not None
+            keys, values = self.sa_cache.update(k[:, :, None], v[:, :, None], 0)
+            # The query sees every cached key (all at positions <= it).
+            return masked_attention(q[:, :, None], keys, values, None)[:, :, 0]
+
+        def cross_attend(q: torch.Tensor, *_: Tensor | None) -> torch.Tensor:
+            # Every memory row (< verified_len <= position) is visible to a drafted position.
+            keys, values = self.memory.get(0)
+            return masked_attention(q[:, :, None], keys, values, None)[:, :, 0]
+
+        h = self.drafter.draft_step(emb[-1:], positions[-1:], self_attend, cross_attend)
         if self.tli:
-            h = self.target.run_tail_layers(h, last, self.tli)
+            h = self.target.run_tail_layers(h, positions[-1:], self.tli)
         return self.target.lm_logits(h.to(self.target.dtype))[0]
 
     def propose(

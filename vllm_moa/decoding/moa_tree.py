@@ -10,11 +10,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from vllm_moa.decoding.tree_search import NodeKV, TreeSearch
+from vllm_moa.model.layers import masked_attention
 
 if TYPE_CHECKING:  # MoAProposer owns a MoATreeDrafter per tree; avoid the import cycle
     from vllm_moa.decoding.moa_proposer import MoAProposer
+
+
+def rows_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """Queries [f, H, D] as the rows of one sequence, over k, v [1, Hkv, S, D] -> [f, H, D]."""
+    return masked_attention(q.transpose(0, 1)[None], k, v, mask)[0].transpose(0, 1)
 
 
 class MoATreeDrafter(TreeSearch):
@@ -39,13 +46,18 @@ class MoATreeDrafter(TreeSearch):
         prop, target, p = self.prop, self.prop.target, self.p
         device = target.device
         ids, positions = self.inputs(frontier, p, device)
-        sa = prop.drafter.self_attention
-        emb = target.embed(ids).to(prop.dtype)[None]
-        k, v = self.sa.update(*sa.kv_from(emb, positions), 0)
-        allowed = self.visible(frontier, p + 1).to(device)
-        h = sa(emb, positions, k, v, allowed)
-        mem_k, mem_v = prop.memory.get(0)
-        h = prop.drafter.cross_attention(h, positions, mem_k, mem_v, None)[0]  # [f, E]
+        emb = target.embed(ids).to(prop.dtype)  # [f, E]
+        allowed = self.visible(frontier, p + 1).to(device)  # [f, S]: prefix and ancestors
+
+        def self_attend(q: Tensor, k: Tensor | None, v: Tensor | None) -> Tensor:
+            assert k is not None and v is not None
+            keys, values = self.sa.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0)
+            return rows_attention(q, keys, values, allowed)
+
+        def cross_attend(q: Tensor, *_: Tensor | None) -> Tensor:
+            return rows_attention(q, *prop.memory.get(0), None)
+
+        h = prop.drafter.draft_step(emb, positions, self_attend, cross_attend)  # [f, E]
         if prop.tli:
             tail = range(target.shape.num_layers - prop.tli, target.shape.num_layers)
             keys = self.key_positions(p + 1, p).to(device)

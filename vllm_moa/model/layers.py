@@ -175,6 +175,11 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).flatten(-2))
 
 
+# Attention supplied to `DecoderBlock.step`: (q [N, H, D], the rows' own k, v [N, Hkv, D] or
+# None) -> [N, H, D].
+Attend = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+
+
 class SwiGLU(nn.Module):
     def __init__(self, width: int, intermediate: int) -> None:
         super().__init__()
@@ -236,7 +241,7 @@ class DecoderBlock(nn.Module):
         self,
         x: torch.Tensor,  # [B, W]: one new token per row
         positions: torch.Tensor,  # [B]
-        attend: Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor],
+        attend: Attend,
         self_kv: bool = True,
     ) -> torch.Tensor:
         """The block on one token per row with attention supplied by the caller, who owns the

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from vllm_moa.model.config import MoAConfig
-from vllm_moa.model.layers import DecoderBlock
+from vllm_moa.model.layers import Attend, DecoderBlock
 from vllm_moa.model.masks import causal_mask, memory_mask
 
 
@@ -84,6 +84,22 @@ class MoADrafter(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """memory: [B, S, E] at token positions [S] -> CA keys/values [B, Hkv, S, D]."""
         return self.cross_attention.kv_from(memory, positions)
+
+    def draft_step(
+        self,
+        token_embeds: torch.Tensor,  # [N, E]: one drafted position per row
+        positions: torch.Tensor,  # [N]
+        self_attend: Attend,
+        cross_attend: Attend,
+    ) -> torch.Tensor:
+        """The drafting step every inference path runs (standalone chains and trees, vLLM):
+        SA then CA on one position per row, predicting o^(L+1-TLI) [N, E] (TLI's target layers
+        and the LM head follow in the caller). The callers own the keys: `self_attend(q, k, v)`
+        gets the queries [N, H, D] and the rows' own SA K/V [N, Hkv, D] (to store, then attend
+        over the SA history and themselves); `cross_attend(q, None, None)` attends over the
+        memory rows visible to the row. Dense, tree-masked or paged: the math is this one."""
+        h = self.self_attention.step(token_embeds, positions, self_attend)
+        return self.cross_attention.step(h, positions, cross_attend, self_kv=False)
 
     def forward(
         self,

@@ -6,12 +6,13 @@ request (at the request's last position) over the first `seq_lens[b]` positions 
 whose blocks are `block_table[b]`. Nothing is gathered into dense per-request tensors:
 
 - `CpuPagedKV` (CPU_ATTN): vLLM's own C++ paged-attention and cache-write ops, the ones its CPU
-  backend runs for the target. Used for the drafter's pages and, with TLI, the target's last
-  layers' caches.
-- `TorchPagedKV`: a PyTorch reference for the channel-split layouts (K then V in the last axis:
-  FLASH_ATTN / TRITON_ATTN / FLEX_ATTENTION) and for tests. It reads each request's blocks
-  through the block table on every call (a gather): correct anywhere, but its cost grows with
-  the context; CUDA backends get a paged kernel in its place.
+  backend runs for the target.
+- `TorchPagedKV`: a PyTorch reference, used for the other backends' pages (the GPU ones) and in
+  tests. It reads each request's blocks through the block table on every call (a gather):
+  correct anywhere, but its cost grows with the context; CUDA wants a paged kernel in its place.
+
+(The TLI tail needs none of this: it runs the target's own layers, with the metadata vLLM's own
+attention builders make, see `target_view.run_tail`.)
 
 The drafter's own pages hold only our K/V, so their in-block arrangement is ours to choose:
 `page_views` reinterprets each block of a page layer (a dense [heads, 2 x block, dim] buffer on
@@ -22,12 +23,12 @@ the CPU backend views its own caches.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-PADDING_SLOT = -1  # a slot that `write` skips (vLLM's PADDING_SLOT_ID)
+PADDING_SLOT = -1  # a slot that `write` must not write (vLLM's PADDING_SLOT_ID)
 
 
 class PagedKV(Protocol):
@@ -35,7 +36,8 @@ class PagedKV(Protocol):
     head_dim: int
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        """k, v [N, num_kv_heads, head_dim] at slots [N] (PADDING_SLOT: skipped)."""
+        """k, v [N, num_kv_heads, head_dim] at slots [N] (PADDING_SLOT: no request's slot is
+        written; an implementation may write vLLM's null block instead)."""
 
     def attend(
         self,
@@ -89,8 +91,9 @@ class TorchPagedKV:
         self.num_kv_heads, self.block_size, self.head_dim = key.shape[1:]
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
+        # Padding slots go to slot 0, in vLLM's null block (block 0, never given to a request):
+        # no data-dependent shapes, so a CUDA graph can capture the write.
+        slots = slots.clamp(min=0)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         self.key[blocks, :, offsets] = k.to(self.key.dtype)
         self.value[blocks, :, offsets] = v.to(self.value.dtype)
@@ -144,14 +147,6 @@ class CpuPagedKV:
 
         key, value = page_views(cache, num_kv_heads, head_dim)
         return cls(key, value, _get_attn_isa(dtype, cache.shape[2], head_dim, "auto"))
-
-    @classmethod
-    def for_layer(cls, attn: Any) -> CpuPagedKV:
-        """A target attention layer's own cache, as its backend reads it."""
-        cache = attn.kv_cache
-        blocks, heads, block_size, _ = cache.shape
-        key, value = cache.view(blocks, heads, 2 * block_size, -1).chunk(2, dim=2)
-        return cls(key, value, attn.isa)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         from vllm import _custom_ops as ops
@@ -212,9 +207,6 @@ class CpuPagedKV:
         return out.to(q.dtype)
 
 
-CHANNEL_SPLIT_BACKENDS = ("FLASH_ATTN", "TRITON_ATTN", "FLEX_ATTENTION")
-
-
 def pages_kv(
     cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype, backend: str
 ) -> PagedKV:
@@ -222,15 +214,3 @@ def pages_kv(
     if backend == "CPU_ATTN":
         return CpuPagedKV.for_pages(cache, num_kv_heads, head_dim, dtype)
     return TorchPagedKV(*page_views(cache, num_kv_heads, head_dim))
-
-
-def layer_kv(attn: Any, backend: str) -> PagedKV:
-    """A target attention layer's own cache, read (and, for drafted positions, written) as its
-    backend lays it out."""
-    if backend == "CPU_ATTN":
-        return CpuPagedKV.for_layer(attn)
-    if backend in CHANNEL_SPLIT_BACKENDS:
-        cache = attn.kv_cache
-        head_size = cache.shape[-1] // 2
-        return TorchPagedKV(cache[..., :head_size], cache[..., head_size:])
-    raise ValueError(f"unsupported attention backend {backend!r}")

@@ -42,7 +42,7 @@ from vllm_moa.vllm_plugin.kv_reader import (
     gather_layer_kv,
     slots_for_positions,
 )
-from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV, layer_kv
+from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV
 from vllm_moa.vllm_plugin.pages import DrafterPages
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 from vllm_moa.vllm_plugin.uploads import upload
@@ -88,7 +88,7 @@ class MoAVllmProposer:
         self.pages: DrafterPages | None = None
         self._where: dict[str, tuple[int, int]] | None = None  # layer name: group, block size
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
-        self._stores: dict[str, PagedKV] | None = None  # SA / memory pages, target tail layers
+        self._stores: dict[str, PagedKV] | None = None  # SA and memory pages
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -113,8 +113,6 @@ class MoAVllmProposer:
                 "the -LSA ablation); inside vLLM only LSA drafters (memory_source 'lsa') are "
                 "supported"
             )
-        if drafter.config.tli:
-            target.check_tail(drafter.config.tli)
         cache_dtype = self.vllm_config.cache_config.cache_dtype
         for attn in target.attn_layers:
             check_backend(attn.attn_backend.get_name(), str(cache_dtype))
@@ -292,17 +290,12 @@ class MoAVllmProposer:
             states[i].written = end
 
     def _bind_stores(self, runner: Any) -> dict[str, PagedKV]:
-        """The paged K/V stores the drafting reads: SA and memory pages, and (TLI) the target's
-        last layers' caches. Built once the caches are bound."""
+        """The drafter's paged K/V stores (SA and memory pages), built once they are bound."""
         if self._stores is None:
-            drafter, target, pages = self.drafter, self.target, self.pages
-            assert drafter is not None and target is not None and pages is not None
+            target, pages = self.target, self.pages
+            assert target is not None and pages is not None
             backend = target.attn_layers[0].attn_backend.get_name()
-            stores = {name: pages.store(name, self._dtype, backend) for name in pages.fields}
-            tli = drafter.config.tli
-            for index in range(target.shape.num_layers - tli, target.shape.num_layers):
-                stores[f"tail{index}"] = layer_kv(target.attn_layers[index], backend)
-            self._stores = stores
+            self._stores = {name: pages.store(name, self._dtype, backend) for name in pages.fields}
         return self._stores
 
     def _block_table(self, runner: Any, rows: list[int], key: tuple[int, int]) -> torch.Tensor:
@@ -338,9 +331,9 @@ class MoAVllmProposer:
         table = self._block_table(runner, rows, page_key)
         block_size = page_key[1]
         tli = drafter.config.tli
-        total = target.shape.num_layers
-        tail_keys = self._groups(runner, target.layer_names[total - tli :]) if tli else []
-        tail_tables = {key: self._block_table(runner, rows, key) for key in set(tail_keys)}
+        tail_names = target.layer_names[target.shape.num_layers - tli :]
+        tail_keys = dict(zip(tail_names, self._groups(runner, tail_names), strict=True))
+        tail_tables = {key: self._block_table(runner, rows, key) for key in tail_keys.values()}
         # Each last token's position, and the memory rows (verified tokens) every draft sees.
         verified = [s.written for s in states]
         positions = upload(verified, self.device)
@@ -349,16 +342,10 @@ class MoAVllmProposer:
         has_memory = upload([int(n > 0) for n in verified], self.device)[:, None, None]
         ends = upload([n + b for n, b in zip(verified, budgets, strict=True)], self.device)
         tokens = upload([p[-1] for p in pending], self.device)
-        sa, ca = drafter.self_attention, drafter.cross_attention
-
-        def slots_of(pos: torch.Tensor, blocks: torch.Tensor, size: int) -> torch.Tensor:
-            # Positions past a request's budget have no reserved slot: never written.
-            slot = blocks.gather(1, (pos // size)[:, None].clamp(max=blocks.shape[1] - 1))[:, 0]
-            return torch.where(pos < ends, slot.long() * size + pos % size, PADDING_SLOT)
 
         drafted: list[torch.Tensor] = []
-        for _ in range(max(budgets)):
-            slots = slots_of(positions, table, block_size)
+        for step in range(max(budgets)):
+            slots = draft_slots(positions, ends, table, block_size)
             lens = (positions + 1).to(torch.int32)
 
             def self_attend(
@@ -375,27 +362,80 @@ class MoAVllmProposer:
             def cross_attend(q: torch.Tensor, *_: Any) -> torch.Tensor:
                 return stores["memory"].attend(q, table, memory_lens) * has_memory
 
-            h = target.embed(tokens).to(self._dtype)
-            h = sa.step(h, positions, self_attend)
-            h = ca.step(h, positions, cross_attend, self_kv=False)
+            h = drafter.draft_step(
+                target.embed(tokens).to(self._dtype), positions, self_attend, cross_attend
+            )
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
             if tli:
-                h = h.to(self._target_dtype)
-                for index, key in zip(range(total - tli, total), tail_keys, strict=True):
-                    tail_table = tail_tables[key]
-                    q, k, v = target.tail_qkv(index, h, positions)
-                    store = stores[f"tail{index}"]
-                    store.write(k, v, slots_of(positions, tail_table, key[1]))
-                    out = store.attend(q, tail_table, lens, target.window(index))
-                    h = target.tail_finish(index, h, out)
-                h = target.final_norm(h)
+                h = target.run_tail(
+                    tli,
+                    h.to(self._target_dtype),
+                    positions,
+                    *self._tail_metadata(
+                        runner, tail_keys, tail_tables, positions, ends, max(verified) + step + 1
+                    ),
+                    self.vllm_config,
+                )
             tokens = target.logits(h.to(self._target_dtype)).argmax(dim=-1)
             drafted.append(tokens)
             positions = positions + 1
         chains: list[list[int]] = torch.stack(drafted, dim=1).tolist()
         return chains
 
+    def _tail_metadata(
+        self,
+        runner: Any,
+        tail_keys: dict[str, tuple[int, int]],
+        tail_tables: dict[tuple[int, int], torch.Tensor],
+        positions: torch.Tensor,
+        ends: torch.Tensor,
+        max_seq_len: int,
+    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """Attention metadata (built by the runner's own builders) and slot mappings of the
+        TLI layers for one draft step: one query per request at `positions`, over the request's
+        cache up to and including it."""
+        from vllm.v1.attention.backend import CommonAttentionMetadata
+
+        rows = positions.shape[0]
+        starts = torch.arange(rows + 1, dtype=torch.int32)
+        lens = (positions + 1).to(torch.int32)
+        metadata: dict[str, Any] = {}
+        slot_mapping: dict[str, torch.Tensor] = {}
+        for key in dict.fromkeys(tail_keys.values()):
+            table = tail_tables[key]
+            slots = draft_slots(positions, ends, table, key[1])
+            common = CommonAttentionMetadata(
+                query_start_loc=upload(starts, self.device),
+                query_start_loc_cpu=starts,
+                seq_lens=lens,
+                num_reqs=rows,
+                num_actual_tokens=rows,
+                max_query_len=1,
+                max_seq_len=max_seq_len,
+                block_table_tensor=table,
+                slot_mapping=slots,
+                positions=positions,
+            )
+            names = [name for name, k in tail_keys.items() if k == key]
+            for group in runner.attn_groups[key[0]]:
+                mine = [name for name in names if name in group.layer_names]
+                if mine:
+                    built = group.get_metadata_builder().build(0, common)
+                    metadata.update(dict.fromkeys(mine, built))
+                    slot_mapping.update(dict.fromkeys(mine, slots))
+        return metadata, slot_mapping
+
     @property
     def _target_dtype(self) -> torch.dtype:
         return self.vllm_config.model_config.dtype
+
+
+def draft_slots(
+    positions: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Slots [B] of each request's drafted position (block table [B, n]); positions at or past
+    the request's end (its budget) have no reserved slot: PADDING_SLOT, never written."""
+    index = (positions // block_size)[:, None].clamp(max=table.shape[1] - 1)
+    slot = table.gather(1, index)[:, 0].long() * block_size + positions % block_size
+    return torch.where(positions < ends, slot, PADDING_SLOT)

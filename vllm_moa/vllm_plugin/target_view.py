@@ -62,41 +62,26 @@ class VllmTargetView:
 
     # TLI ------------------------------------------------------------------------------------
 
-    def check_tail(self, num_layers: int) -> None:
-        for layer in self.layers[len(self.layers) - num_layers :]:
-            attn = layer.self_attn
-            if hasattr(attn, "q_norm") or not all(
-                hasattr(attn, a) for a in ("qkv_proj", "o_proj", "rotary_emb", "q_size")
-            ):
-                raise ValueError(
-                    "MoA TLI > 0 runs the target's last layers itself and supports Llama-style "
-                    f"layers only (fused qkv_proj, no q/k norm); {type(layer).__name__} is not. "
-                    "Use a drafter trained with --tli 0."
-                )
-
-    def window(self, index: int) -> int | None:
-        """Layer `index`'s sliding window (a query sees the last `window` positions, itself
-        included, as in Hugging Face and vLLM's backends), or None for full attention."""
-        return getattr(self.attn_layers[index], "sliding_window", None) or None
-
-    def tail_qkv(
-        self, index: int, hidden: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer `index` on hidden [N, E] at positions [N]: q [N, H, D], k, v [N, Hkv, D]."""
-        attn = self.layers[index].self_attn
-        x = self.layers[index].input_layernorm(hidden)
-        qkv, _ = attn.qkv_proj(x)
-        q, k, v = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q, k = attn.rotary_emb(positions, q, k)
-        d = self.shape.head_dim
-        return q.unflatten(-1, (-1, d)), k.unflatten(-1, (-1, d)), v.unflatten(-1, (-1, d))
-
-    def tail_finish(
+    def run_tail(
         self,
-        index: int,
-        hidden: torch.Tensor,  # [B, E] residual input of the layer
-        attn_out: torch.Tensor,  # [B, H, D]: the layer's attention output per head
+        num_layers: int,
+        hidden: torch.Tensor,  # [B, E]: one drafted position per row
+        positions: torch.Tensor,  # [B]
+        attn_metadata: dict[str, Any],
+        slot_mapping: dict[str, torch.Tensor],
+        vllm_config: Any,
     ) -> torch.Tensor:
-        layer = self.layers[index]
-        h = hidden + layer.self_attn.o_proj(attn_out.flatten(1).to(hidden.dtype))[0]
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        """The target's own last `num_layers` decoder layers and final norm on drafted rows,
+        exactly as vLLM runs them (any architecture it serves: q/k norms, sliding windows, ...).
+        Their attention reads the target's paged cache through `attn_metadata` (per layer name)
+        and first writes the rows' K/V at `slot_mapping` (the scheduler's lookahead slots)."""
+        from vllm.forward_context import set_forward_context
+
+        residual: torch.Tensor | None = None
+        with set_forward_context(
+            attn_metadata, vllm_config, num_tokens=hidden.shape[0], slot_mapping=slot_mapping
+        ):
+            for layer in self.layers[len(self.layers) - num_layers :]:
+                hidden, residual = layer(positions, hidden, residual)
+        out, _ = self.inner.norm(hidden, residual)
+        return out
