@@ -6,7 +6,8 @@
 Without --drafter / --eagle, randomly initialised drafters (MoA `small` TLI=0, EAGLE `small`)
 are built for the target, so that both accept about nothing (tau ~ 1) and run the same number of
 draft steps: the comparison is then of drafting cost alone. One in-process engine per method
-(plain, moa, eagle: vLLM's own method on our exported EAGLE), one at a time, prefix caching off,
+(plain, moa, eagle: vLLM's own method on our exported EAGLE), one at a time, in vLLM's default
+mode (compiled target; `--enforce-eager` for eager), prefix caching off,
 the target's maximum length raised to fit the longest prompt (a copy of its config.json beside
 links to its weights). Per prompt length and round: `--batch` requests of random token ids,
 generated once with `--short` and once with `--long` new tokens (ignore_eos, greedy, fresh
@@ -83,13 +84,15 @@ def random_drafters(target: str, where: Path) -> tuple[str, str]:
     return str(save_drafter(moa, where / "moa")), str(save_drafter(eagle, where / "eagle"))
 
 
-def make_engine(target: str, spec: dict[str, Any] | None, batch: int, max_len: int) -> Any:
+def make_engine(
+    target: str, spec: dict[str, Any] | None, batch: int, max_len: int, eager: bool
+) -> Any:
     from vllm import EngineArgs, LLMEngine
 
     args = EngineArgs(
         model=target,
         dtype="float32",
-        enforce_eager=True,
+        enforce_eager=eager,
         speculative_config=spec,
         seed=0,
         max_num_seqs=batch,
@@ -190,6 +193,9 @@ def main() -> None:
     p.add_argument("--long", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--methods", nargs="+", default=["plain", "moa", "eagle"])
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="eager target (default: compiled, as served)"
+    )
     args = p.parse_args()
 
     import vllm
@@ -213,7 +219,7 @@ def main() -> None:
     vocab = int(json.loads((Path(args.target) / "config.json").read_text())["vocab_size"])
     rows: list[dict[str, Any]] = []
     for method in args.methods:
-        engine = make_engine(target, specs[method], args.batch, max_len)
+        engine = make_engine(target, specs[method], args.batch, max_len, args.enforce_eager)
         time_proposer()
         rows += measure(engine, args, vocab, method)
         del engine

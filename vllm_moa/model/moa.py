@@ -51,6 +51,10 @@ class MoADrafter(nn.Module):
             c.rms_norm_eps,
         )
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.cross_attention.dtype
+
     def init_weights(self, seed: int, std: float = 0.02) -> None:
         """Deterministic random initialisation (normal(0, std) matrices, unit norms, zero bias)."""
         gen = torch.Generator().manual_seed(seed)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -345,26 +346,10 @@ class MoAVllmProposer:
 
         drafted: list[torch.Tensor] = []
         for step in range(max(budgets)):
-            slots = draft_slots(positions, ends, table, block_size)
-            lens = (positions + 1).to(torch.int32)
-
-            def self_attend(
-                q: torch.Tensor,
-                k: torch.Tensor | None,
-                v: torch.Tensor | None,
-                slots: torch.Tensor = slots,
-                lens: torch.Tensor = lens,
-            ) -> torch.Tensor:
-                assert k is not None and v is not None
-                stores["sa"].write(k, v, slots)  # the step's own K/V first: it sees itself
-                return stores["sa"].attend(q, table, lens)
-
-            def cross_attend(q: torch.Tensor, *_: Any) -> torch.Tensor:
-                return stores["memory"].attend(q, table, memory_lens) * has_memory
-
-            h = drafter.draft_step(
-                target.embed(tokens).to(self._dtype), positions, self_attend, cross_attend
-            )
+            h = paged_draft_step(
+                drafter, target.embed, stores, table, block_size, tokens, positions, ends,
+                memory_lens, has_memory,
+            )  # fmt: skip
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
             if tli:
@@ -439,3 +424,34 @@ def draft_slots(
     index = (positions // block_size)[:, None].clamp(max=table.shape[1] - 1)
     slot = table.gather(1, index)[:, 0].long() * block_size + positions % block_size
     return torch.where(positions < ends, slot, PADDING_SLOT)
+
+
+def paged_draft_step(
+    drafter: MoADrafter,
+    embed: Callable[[torch.Tensor], torch.Tensor],
+    stores: dict[str, PagedKV],
+    table: torch.Tensor,  # int32 [B, n]: the rows' block tables
+    block_size: int,
+    tokens: torch.Tensor,  # [B]: each row's last token
+    positions: torch.Tensor,  # [B]: their positions
+    ends: torch.Tensor,  # [B]: the rows' first positions past their budget
+    memory_lens: torch.Tensor,  # int32 [B]: memory rows each row sees (>= 1)
+    has_memory: torch.Tensor,  # [B, 1, 1]: 0 where a row has no memory row yet
+) -> torch.Tensor:
+    """One draft step on the pages: SA (writing the rows' own K/V at their slots first) and CA,
+    [B, E] before TLI and the LM head. No host sync and no data-dependent shape: a CUDA graph
+    can capture it, and with PyTorch's paged attention it compiles as one graph (tested)."""
+    slots = draft_slots(positions, ends, table, block_size)
+    lens = (positions + 1).to(torch.int32)
+
+    def self_attend(
+        q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
+    ) -> torch.Tensor:
+        assert k is not None and v is not None
+        stores["sa"].write(k, v, slots)  # the step's own K/V first: it sees itself
+        return stores["sa"].attend(q, table, lens)
+
+    def cross_attend(q: torch.Tensor, *_: torch.Tensor | None) -> torch.Tensor:
+        return stores["memory"].attend(q, table, memory_lens) * has_memory
+
+    return drafter.draft_step(embed(tokens).to(drafter.dtype), positions, self_attend, cross_attend)
