@@ -162,11 +162,12 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
         ("propose_ms_per_token", axes[0], "drafting (propose_draft_token_ids)"),
         ("wall_ms_per_token", axes[1], "wall time"),
     ):
-        for method in dict.fromkeys(r["method"] for r in rows):
+        for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
             mine = [r for r in rows if r["method"] == method]
             if key == "propose_ms_per_token" and method == "plain":
                 continue
-            ax.plot([r["prompt_tokens"] for r in mine], [r[key] for r in mine], "o-", label=method)
+            xs, ys = [r["prompt_tokens"] for r in mine], [r[key] for r in mine]
+            ax.plot(xs, ys, "o-", color=f"C{i}", label=method)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("ms per generated token (steady state)")
