@@ -191,6 +191,28 @@ def export_eagle(args: argparse.Namespace) -> int:
     return 0
 
 
+def inflate(args: argparse.Namespace) -> int:
+    from vllm_moa.checkpoint.inflate import inflate_drafter, inflate_target
+    from vllm_moa.checkpoint.io import drafter_dir_of
+
+    out = Path(args.out)
+    widening = inflate_target(
+        args.target, out / "target", args.hidden_size, args.intermediate_size, args.num_heads
+    )
+    print(f"target widened to E={args.hidden_size}, MLP {args.intermediate_size}, "
+          f"{args.num_heads} heads: {out / 'target'}")  # fmt: skip
+    names: set[str] = set()
+    for path in args.drafter:
+        source = drafter_dir_of(path)
+        name = source.parent.name if source.name == "drafter" else source.name
+        while name in names:
+            name += "_"
+        names.add(name)
+        written = inflate_drafter(source, out / "drafters" / name, widening)
+        print(f"drafter {source} widened: {written}")
+    return 0
+
+
 def train(args: argparse.Namespace) -> int:
     from vllm_moa.devices import resolve_device
     from vllm_moa.training import TrainConfig, Trainer

@@ -137,6 +137,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory for vLLM")
     p.set_defaults(func=commands.export_eagle)
 
+    p = sub.add_parser(
+        "inflate",
+        help="widen a target and its drafters into a function-identical pair of realistic cost",
+    )
+    p.add_argument("--target", required=True, help="Hugging Face target (llama/mistral/qwen2/3)")
+    p.add_argument("--drafter", nargs="*", default=[], help="drafters of ours for that target")
+    p.add_argument("--hidden-size", type=positive_int, required=True, help="new residual width")
+    p.add_argument("--intermediate-size", type=positive_int, required=True, help="new MLP width")
+    p.add_argument("--num-heads", type=positive_int, required=True, help="new query heads")
+    p.add_argument("--out", required=True, help="writes OUT/target and OUT/drafters/NAME")
+    p.set_defaults(func=commands.inflate)
+
     p = sub.add_parser("demo", help="build the tiny default target + drafter and generate")
     p.add_argument(
         "--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa"

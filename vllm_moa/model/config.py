@@ -210,6 +210,9 @@ class MoAConfig(DrafterConfig):
     rope_theta: float = 10000.0  # SA and CA, over token positions
     lsa_rope_theta: float = 10000.0  # LSA, over the layer index
     rms_norm_eps: float = 1e-5
+    # LSA's norms' eps when it differs from SA/CA's (`vllm-moa inflate` widens SA/CA, not LSA);
+    # 0: the same as rms_norm_eps.
+    lsa_rms_norm_eps: float = 0.0
     # "lsa": memory rows come from LSA over every layer's K|V (MoA). "hidden": the CA reads the
     # target's final hidden states instead (the paper's "-LSA, o_1..o_t inputs" ablation).
     memory_source: str = "lsa"
@@ -220,7 +223,7 @@ class MoAConfig(DrafterConfig):
                 f"MoAConfig.memory_source must be one of {list(MEMORY_SOURCES)}, "
                 f"got {self.memory_source!r}"
             )
-        self._check_numbers(allow_zero=("tli",))
+        self._check_numbers(allow_zero=("tli", "lsa_rms_norm_eps"))
         if not 0 <= self.tli < self.target_num_layers:
             raise ValueError(
                 f"MoAConfig.tli must satisfy 0 <= tli < target_num_layers "

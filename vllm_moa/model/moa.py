@@ -30,7 +30,7 @@ class MoADrafter(nn.Module):
                 c.lsa_num_kv_heads,
                 c.lsa_intermediate_size,
                 c.lsa_rope_theta,
-                c.rms_norm_eps,
+                c.lsa_rms_norm_eps or c.rms_norm_eps,
                 over_layers=True,
             )
             self.Ekv2E = nn.Linear(width, hidden, bias=True)
