@@ -8,7 +8,8 @@ to vLLM's EAGLE format on the fly) or an already exported one, served by vLLM's 
 method on the same target. One in-process vLLM engine per method (plain, then MoA and EAGLE
 with each K), all alive at once. For each
 batch size b, rounds of b requests submitted together (closed loop), greedy, `--max-tokens` new
-tokens each (ignore_eos: every method generates the same tokens), rounds alternating between
+tokens each (ignore_eos: every method generates the same tokens), the target compiled as vLLM
+runs it by default (`--enforce-eager` for eager), rounds alternating between
 the engines so drift in machine speed hits all alike. Reported per (method, b): median output
 tokens/s over rounds, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts,
 per-position rates) from vLLM's own spec-decode counters (process-wide, so read around each
@@ -63,7 +64,7 @@ class SpecCounts:
 
 
 def make_engine(
-    target: str, spec: dict[str, Any] | None, max_batch: int, dtype: str
+    target: str, spec: dict[str, Any] | None, max_batch: int, dtype: str, eager: bool = False
 ) -> tuple[Any, SpecCounts]:
     """An in-process engine, and its spec-decode counts read through vLLM's custom stat-logger
     interface (`stat_loggers=`): vLLM's Prometheus counters cannot tell engines apart (each new
@@ -89,7 +90,7 @@ def make_engine(
     args = EngineArgs(
         model=target,
         dtype=dtype,  # type: ignore[arg-type]  # a str from --dtype's choices
-        enforce_eager=True,
+        enforce_eager=eager,
         speculative_config=spec,
         disable_log_stats=False,
         seed=0,
@@ -216,6 +217,10 @@ def main() -> None:
         "--drafter", required=True, nargs="+", help="MoA drafter(s); several: one engine each"
     )
     p.add_argument("--eagle", default=None, help="EAGLE drafter (ours or vLLM-format) to add")
+    p.add_argument("--ngram", action="store_true", help="add vLLM's ngram (prompt lookup)")
+    p.add_argument(
+        "--enforce-eager", action="store_true", help="eager target (default: compiled, as served)"
+    )
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
     p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
     p.add_argument("--k", type=int, nargs="+", default=[4])
@@ -236,11 +241,15 @@ def main() -> None:
         methods = {label: ("moa", d) for label, d in zip(labels, args.drafter, strict=True)}
     if args.eagle:
         methods["eagle"] = ("eagle", vllm_eagle_dir(args.eagle, args.target))
-    engines = {"plain": make_engine(args.target, None, top, args.dtype)}
+    eager = args.enforce_eager
+    engines = {"plain": make_engine(args.target, None, top, args.dtype, eager)}
     for k in args.k:
         for label, (method, model) in methods.items():
             spec = {"method": method, "model": model, "num_speculative_tokens": k}
-            engines[f"{label}_k{k}"] = make_engine(args.target, spec, top, args.dtype)
+            engines[f"{label}_k{k}"] = make_engine(args.target, spec, top, args.dtype, eager)
+        if args.ngram:
+            spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
+            engines[f"ngram_k{k}"] = make_engine(args.target, spec, top, args.dtype, eager)
     rows = run(engines, prompts, args.batch_sizes, args.rounds, args.max_tokens)
     plain = {r["batch_size"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
     for r in rows:

@@ -14,9 +14,11 @@ unchanged) and keeps every logit:
   read); old head j of KV group g moves to g * (H' / Hkv) + j mod (H / Hkv), keeping its KV head;
 - new MLP channels have zero gate/up rows and down columns (silu(0) * 0 = 0).
 
-Drafters are widened the same way at the target's ratio E' / E (SA/CA/EAGLE/independent blocks:
-heads x E' / E, MLPs x I' / I); MoA's LSA reads the unchanged K/V and stays as it is (its eps is
-kept apart: `lsa_rms_norm_eps`). Targets: Hugging Face llama, mistral, qwen2, qwen3 checkpoints.
+Drafters are widened only where the target's width forces it (SA/CA/EAGLE/independent blocks:
+E -> E', heads x E' / E to keep their head size); their MLPs keep their width, so a drafter
+stays as small next to the target as it can (a width-E' block costs a quarter of a layer of a
+4-layer target whatever its MLP). MoA's LSA reads the unchanged K/V and stays as it is (its eps
+is kept apart: `lsa_rms_norm_eps`). Targets: Hugging Face llama, mistral, qwen2, qwen3 checkpoints.
 """
 
 from __future__ import annotations
@@ -191,16 +193,15 @@ def inflate_target(
 def _block_widening(
     target: Widening, heads: int, kv_heads: int, intermediate: int, what: str
 ) -> Widening:
-    """A drafter block at the target's width: heads and MLP scaled at the target's ratios."""
+    """A drafter block at the target's new width (heads scaled with it, MLP unchanged)."""
     head_dim = target.hidden // heads
     if target.new_hidden % head_dim:
         raise ValueError(f"{what}: head size {head_dim} does not divide {target.new_hidden}")
-    ratio = target.new_intermediate / target.intermediate
     w = Widening(
         hidden=target.hidden,
         new_hidden=target.new_hidden,
         intermediate=intermediate,
-        new_intermediate=max(intermediate, round(intermediate * ratio)),
+        new_intermediate=intermediate,
         heads=heads,
         new_heads=target.new_hidden // head_dim,
         kv_heads=kv_heads,
