@@ -37,6 +37,7 @@ import torch
 
 from vllm_moa.checkpoint.io import load_drafter
 from vllm_moa.model.moa import MoADrafter
+from vllm_moa.vllm_plugin.cpu_linear import dispatch_linears
 from vllm_moa.vllm_plugin.kv_reader import (
     CpuBlockLayout,
     check_backend,
@@ -49,6 +50,10 @@ from vllm_moa.vllm_plugin.target_view import VllmTargetView
 from vllm_moa.vllm_plugin.uploads import upload
 
 logger = logging.getLogger("vllm_moa")
+
+# "0": the drafter's linear layers use torch.nn.functional.linear on the CPU instead of vLLM's
+# CPU GEMM dispatch (for comparisons).
+CPU_GEMM_ENV = "VLLM_MOA_CPU_GEMM"
 
 # Debugging and tests: append one JSON line {"tokens": [...], "drafts": [...]} per drafted request.
 TRACE_ENV = "VLLM_MOA_TRACE"
@@ -118,6 +123,8 @@ class MoAVllmProposer:
         for attn in target.attn_layers:
             check_backend(attn.attn_backend.get_name(), str(cache_dtype))
         self.target = target
+        if device.type == "cpu" and os.environ.get(CPU_GEMM_ENV, "1") != "0":
+            dispatch_linears(drafter)  # vLLM's CPU GEMMs, as the target's layers use
         self.drafter = drafter.eval()
         self.device = device
         sa, ca = drafter.self_attention.self_attn, drafter.cross_attention.self_attn
