@@ -22,9 +22,7 @@ def test_dispatched_drafter_matches_torch_linear():
     drafter = MoADrafter(make_config(info, preset="small", tli=1)).eval()
     drafter.init_weights(seed=0)
     fast = copy.deepcopy(drafter)
-    assert dispatch_linears(fast) == sum(
-        isinstance(m, torch.nn.Linear) for m in drafter.modules()
-    )
+    assert dispatch_linears(fast) == sum(isinstance(m, torch.nn.Linear) for m in drafter.modules())
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())
     assert any(isinstance(m, DispatchedLinear) for m in fast.modules())
     assert fast.state_dict().keys() == drafter.state_dict().keys()
