@@ -84,24 +84,6 @@ def random_drafters(target: str, where: Path) -> tuple[str, str]:
     return str(save_drafter(moa, where / "moa")), str(save_drafter(eagle, where / "eagle"))
 
 
-def make_engine(
-    target: str, spec: dict[str, Any] | None, batch: int, max_len: int, eager: bool
-) -> Any:
-    from vllm import EngineArgs, LLMEngine
-
-    args = EngineArgs(
-        model=target,
-        dtype="float32",
-        enforce_eager=eager,
-        speculative_config=spec,
-        seed=0,
-        max_num_seqs=batch,
-        max_model_len=max_len,
-        enable_prefix_caching=False,
-    )
-    return LLMEngine.from_engine_args(args)
-
-
 def generate(
     engine: Any, prompts: list[list[int]], max_tokens: int, tag: str
 ) -> tuple[float, float, int]:
@@ -180,7 +162,7 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     from benchmarks.testbed.report import save_json
-    from benchmarks.throughput import vllm_eagle_dir
+    from benchmarks.throughput import make_engine, vllm_eagle_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
@@ -220,7 +202,10 @@ def main() -> None:
     vocab = int(json.loads((Path(args.target) / "config.json").read_text())["vocab_size"])
     rows: list[dict[str, Any]] = []
     for method in args.methods:
-        engine = make_engine(target, specs[method], args.batch, max_len, args.enforce_eager)
+        engine, _ = make_engine(
+            target, specs[method], args.batch, "float32", args.enforce_eager,
+            max_model_len=max_len, enable_prefix_caching=False,
+        )  # fmt: skip
         time_proposer()
         rows += measure(engine, args, vocab, method)
         del engine

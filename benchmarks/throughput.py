@@ -64,7 +64,12 @@ class SpecCounts:
 
 
 def make_engine(
-    target: str, spec: dict[str, Any] | None, max_batch: int, dtype: str, eager: bool = False
+    target: str,
+    spec: dict[str, Any] | None,
+    max_batch: int,
+    dtype: str,
+    eager: bool = False,
+    **engine_args: Any,
 ) -> tuple[Any, SpecCounts]:
     """An in-process engine, and its spec-decode counts read through vLLM's custom stat-logger
     interface (`stat_loggers=`): vLLM's Prometheus counters cannot tell engines apart (each new
@@ -95,6 +100,7 @@ def make_engine(
         disable_log_stats=False,
         seed=0,
         max_num_seqs=max_batch,
+        **engine_args,
     )
     return LLMEngine.from_engine_args(args, stat_loggers=[Recorder]), counts
 

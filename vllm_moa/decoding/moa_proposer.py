@@ -41,7 +41,7 @@ class MoAProposer:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.drafter.cross_attention.dtype
+        return self.drafter.dtype
 
     @property
     def verified_len(self) -> int:

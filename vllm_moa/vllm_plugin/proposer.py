@@ -267,11 +267,6 @@ class MoAVllmProposer:
                 self._cpu_layouts[key] = layout
         return backend, layout
 
-    @property
-    def _dtype(self) -> torch.dtype:
-        assert self.drafter is not None
-        return self.drafter.cross_attention.dtype
-
     def _write_pages(
         self, runner: Any, states: list[RequestState], pending: list[list[int]]
     ) -> None:
@@ -288,10 +283,10 @@ class MoAVllmProposer:
         positions = upload(torch.cat([torch.arange(a, b) for a, b in spans]), self.device)
         ids = upload([t for i in todo for t in pending[i][:-1]], self.device)
         # SA: K/V of a position depend on its token only.
-        k, v = drafter.self_attention.kv_from(target.embed(ids).to(self._dtype)[None], positions)
+        k, v = drafter.self_attention.kv_from(target.embed(ids).to(drafter.dtype)[None], positions)
         stores["sa"].write(k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
         layer_kv_rows = self._read_layer_kv(runner, block_ids, spans)
-        memory = drafter.encode_memory(layer_kv_rows.to(self._dtype))  # [N, E]
+        memory = drafter.encode_memory(layer_kv_rows.to(drafter.dtype))  # [N, E]
         k, v = drafter.memory_kv(memory[None], positions)
         stores["memory"].write(k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
         for i, (_, end) in zip(todo, spans, strict=True):
@@ -300,10 +295,12 @@ class MoAVllmProposer:
     def _bind_stores(self, runner: Any) -> dict[str, PagedKV]:
         """The drafter's paged K/V stores (SA and memory pages), built once they are bound."""
         if self._stores is None:
-            target, pages = self.target, self.pages
-            assert target is not None and pages is not None
+            drafter, target, pages = self.drafter, self.target, self.pages
+            assert drafter is not None and target is not None and pages is not None
             backend = target.attn_layers[0].attn_backend.get_name()
-            self._stores = {name: pages.store(name, self._dtype, backend) for name in pages.fields}
+            self._stores = {
+                name: pages.store(name, drafter.dtype, backend) for name in pages.fields
+            }
         return self._stores
 
     def _block_table(self, runner: Any, rows: list[int], key: tuple[int, int]) -> torch.Tensor:
