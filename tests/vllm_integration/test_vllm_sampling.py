@@ -175,3 +175,22 @@ def test_same_seed_same_text_alone_and_in_a_batch(moa_pair):
     assert list(again) == list(first)
     assert list(batch[0].outputs[0].token_ids) == list(first)
     assert spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tli", [None, 0], ids=["plain", "moa"])
+def test_seeded_prompt_prefilled_in_chunks(moa_pair, tli):
+    """A seeded request whose prompt is prefilled in chunks of 32 tokens: vLLM rewinds the
+    generator after each partial prefill, which CPU generators refused (the engine died, with or
+    without speculation); with patch 6c the text equals the unchunked engine's."""
+    from vllm import SamplingParams
+
+    drafter = None if tli is None else moa_pair[f"tli{tli}"]
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
+    prompt = PROMPT * 12  # ~100 tokens
+    outs = []
+    for limits in ({}, {"max_num_batched_tokens": 32}):
+        llm = make_llm(moa_pair["target"], drafter, k=4, **limits)
+        outs.append(list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids))
+        del llm
+    assert outs[0] == outs[1]

@@ -28,6 +28,11 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Four pa
    b. The CPU top-k path (`topk_topp_sampler.apply_top_k_only`) calls `k.max()` on an empty
       batch: a verification step in which no request has drafts (every request at its last
       tokens) crashes the engine when any request uses top_k. Empty logits pass through.
+   c. Not only speculative: when a seeded request's prompt is prefilled in chunks, the model
+      runner discards the token sampled for a partial prefill and rewinds the request's
+      generator by `gen.set_offset(gen.get_offset() - 4)` (`_bookkeeping_sync`), which a CPU
+      generator refuses ("CPU Generator does not use offset"): the engine dies. For CPU
+      generators the state is saved before sampling (`_sample`) and restored instead.
 
 All patches are idempotent; `apply()` refuses any other vLLM version.
 """
@@ -336,6 +341,65 @@ def _patch_cpu_sampling() -> None:
 
     apply_top_k_only._vllm_moa = True  # type: ignore[attr-defined]
     topk_topp_sampler.apply_top_k_only = apply_top_k_only
+    _patch_cpu_generator_rewind()
+
+
+class _RestoreState:
+    """Stands in for a CPU generator in vLLM's rewind of a discarded sample
+    (`gen.set_offset(gen.get_offset() - 4)`): restores the state saved before sampling."""
+
+    def __init__(self, generator: Any, state: Any) -> None:
+        self.generator, self.state = generator, state
+
+    def get_offset(self) -> int:
+        return 0
+
+    def set_offset(self, offset: int) -> None:
+        self.generator.set_state(self.state)
+
+
+def _patch_cpu_generator_rewind() -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original_sample = GPUModelRunner._sample
+    if getattr(original_sample, "_vllm_moa", False):
+        return
+    original_bookkeeping = GPUModelRunner._bookkeeping_sync
+
+    def discarded_cpu_generators(runner: Any) -> dict[int, Any]:
+        generators = runner.input_batch.generators
+        if not generators:
+            return {}
+        mask = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
+        out = {}
+        for i in mask.nonzero()[0].tolist():
+            gen = generators.get(i)
+            if gen is not None and gen.device.type == "cpu":
+                out[i] = gen
+        return out
+
+    @functools.wraps(original_sample)
+    def _sample(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = discarded_cpu_generators(self)
+        self._vllm_moa_saved_states = {i: g.get_state() for i, g in saved.items()}
+        return original_sample(self, *args, **kwargs)
+
+    @functools.wraps(original_bookkeeping)
+    def _bookkeeping_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        saved = getattr(self, "_vllm_moa_saved_states", None) or {}
+        self._vllm_moa_saved_states = None
+        generators = self.input_batch.generators
+        real = {i: generators[i] for i in saved if i in generators}
+        for i, gen in real.items():
+            generators[i] = _RestoreState(gen, saved[i])
+        try:
+            return original_bookkeeping(self, *args, **kwargs)
+        finally:
+            generators.update(real)
+
+    _sample._vllm_moa = True  # type: ignore[attr-defined]
+    GPUModelRunner._sample = _sample  # type: ignore[method-assign]
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync  # type: ignore[method-assign]
 
 
 @contextmanager
