@@ -491,7 +491,8 @@ def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
     )  # fmt: skip
     trainer = Trainer(cfg, make_method=lambda t: MoAMethod(drafter, t, memory_layer=1))
     assert trainer.method.model is drafter and 1 in trainer.method.hidden_layers
-    assert (trainer.train() / "config.json").is_file()
+    saved = json.loads((trainer.train() / "config.json").read_text())
+    assert saved["training"] == {"refresh_min": cfg.refresh_min, "refresh_max": cfg.refresh_max}
 
 
 def test_pretraining_warns_when_it_would_memorize_its_text(tmp_path, tiny_target_dir, capsys):

@@ -90,22 +90,96 @@ def test_baseline_drafter_is_refused_with_a_hint(moa_pair, tmp_path):
         _engine_config(moa_pair["target"], spec)
 
 
-def test_drafter_for_another_target_fails_at_startup(moa_pair, tmp_path):
-    """A drafter built for a different target: the engine refuses to start, naming the mismatch."""
+def _drafter_for(moa_pair, tmp_path, preset="small", **shape):
+    """A MoA drafter for the test target with some of its shape changed."""
     import dataclasses
 
-    from tests.vllm_integration.conftest import make_llm
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.model import MoADrafter, make_config
     from vllm_moa.target import load_target_info
 
     info = load_target_info(moa_pair["target"])
-    info = dataclasses.replace(info, shape=dataclasses.replace(info.shape, num_layers=5))
-    other = MoADrafter(make_config(info, preset="small"))
+    info = dataclasses.replace(info, shape=dataclasses.replace(info.shape, **shape))
+    other = MoADrafter(make_config(info, preset=preset))
     other.init_weights(0)
-    path = save_drafter(other, tmp_path / "other")
-    with pytest.raises(Exception, match="drafter was built for a target with"):
-        make_llm(moa_pair["target"], path)
+    return save_drafter(other, tmp_path / "other")
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ({"num_layers": 5}, "layer count 5, but the target has 3"),
+        ({"vocab_size": 1024}, "vocab size 1024, but the target has 512"),
+        ({"num_kv_heads": 2}, r"KV width \(num_kv_heads \* head_dim\) 128, but the target has 64"),
+    ],
+)  # fmt: skip
+def test_drafter_for_another_target_is_refused_in_the_config_step(moa_pair, tmp_path, shape,
+                                                                  message):  # fmt: skip
+    """Refused while vLLM validates its config (no engine, no weights read), naming the drafter,
+    both values and the fix."""
+    path = _drafter_for(moa_pair, tmp_path, **shape)
+    with pytest.raises(Exception, match=message) as info:
+        _engine_config(moa_pair["target"], {"model": str(path), "num_speculative_tokens": 2})
+    assert str(path) in str(info.value) and "use a drafter made for this target" in str(info.value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "missing", "other_weights"])
+def test_damaged_weights_file_is_refused_in_the_config_step(moa_pair, tmp_path, damage):
+    drafter = tmp_path / "drafter"
+    shutil.copytree(moa_pair["tli0"], drafter)
+    weights = drafter / "model.safetensors"
+    message = {
+        "truncated": "truncated or not a safetensors file",
+        "garbage": "truncated or not a safetensors file",
+        "missing": "has no model.safetensors",
+        "other_weights": "does not match its config.json|has shape",
+    }[damage]
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "garbage":
+        weights.write_text("not weights")
+    elif damage == "missing":
+        weights.unlink()
+    else:
+        paper = _drafter_for(moa_pair, tmp_path, preset="paper")  # other widths
+        shutil.copy(paper / "model.safetensors", weights)
+    with pytest.raises(Exception, match=message):
+        _engine_config(moa_pair["target"], {"model": str(drafter), "num_speculative_tokens": 2})
+
+
+def test_a_model_is_not_taken_for_a_drafter(moa_pair):
+    with pytest.raises(Exception, match=r"not a vllm-moa drafter: .* model_type 'llama'"):
+        spec = {"method": "moa", "model": str(moa_pair["target"]), "num_speculative_tokens": 2}
+        _engine_config(moa_pair["target"], spec)
+
+
+def test_tensor_parallelism_is_refused_first(moa_pair):
+    """Before vLLM's own start-up checks (NUMA, workers): the config step refuses it."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    spec = {"method": "moa", "model": str(moa_pair["tli0"]), "num_speculative_tokens": 2}
+    with pytest.raises(Exception, match="does not support tensor or pipeline parallelism"):
+        EngineArgs(
+            model=str(moa_pair["target"]), tensor_parallel_size=2, speculative_config=spec
+        ).create_engine_config()
+
+
+def test_long_chains_warn_with_the_trained_range(moa_pair, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    spec = {"method": "moa", "model": str(moa_pair["tli0"]), "num_speculative_tokens": 64}
+    _engine_config(moa_pair["target"], spec)
+    assert "was trained for (5 to 15 tokens)" in caplog.text
+    caplog.clear()
+    _engine_config(moa_pair["target"], {**spec, "num_speculative_tokens": 8})
+    assert "trained for" not in caplog.text
+
+
+def test_config_line_names_the_drafter(moa_pair):
+    spec = {"method": "moa", "model": str(moa_pair["tli0"]), "num_speculative_tokens": 2}
+    line = repr(_engine_config(moa_pair["target"], spec).speculative_config)
+    assert str(moa_pair["tli0"].resolve()) in line and "method='moa'" in line
 
 
 def test_channel_split_reader_matches_layout():

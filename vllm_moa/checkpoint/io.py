@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -32,13 +33,18 @@ DRAFTER_KINDS: dict[str, tuple[type[DrafterConfig], type[nn.Module]]] = {
 }
 
 
-def save_drafter(drafter: nn.Module, out_dir: str | Path) -> Path:
-    """Write config.json (drafter.config) and model.safetensors (the drafter's own weights)."""
+def save_drafter(
+    drafter: nn.Module, out_dir: str | Path, training: dict[str, Any] | None = None
+) -> Path:
+    """Write config.json (drafter.config; `training`: facts of its training recorded there, e.g.
+    the chain lengths it learned) and model.safetensors (the drafter's own weights)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     drafter_config: DrafterConfig = getattr(drafter, "config")  # noqa: B009 (typed access)
     config = drafter_config.to_dict()
     config["vllm_moa_version"] = vllm_moa.__version__
+    if training:
+        config["training"] = training
     config["torch_dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
     tensors = {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}

@@ -23,6 +23,7 @@ _HF_METADATA_KEYS = frozenset(
         "dtype",
         "transformers_version",
         "vllm_moa_version",
+        "training",  # facts of the drafter's training (save_drafter)
     }
 )
 

@@ -54,5 +54,10 @@ def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
     return method_for(drafter, target, cfg.feature_noise)
 
 
-def save_method_drafter(method: DraftMethod, out: Path) -> Path:
-    return save_drafter(method.model, out)
+def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Path:
+    """The trained drafter, with the chain lengths MoA's bounded cross-attention was trained for
+    (K ~ U[refresh_min, refresh_max]) recorded in its config.json."""
+    training = None
+    if isinstance(method.model, MoADrafter):
+        training = {"refresh_min": cfg.refresh_min, "refresh_max": cfg.refresh_max}
+    return save_drafter(method.model, out, training=training)

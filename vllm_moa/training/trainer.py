@@ -273,7 +273,7 @@ class Trainer:
     def _finish(self) -> Path:
         drafter_dir = self.out / "drafter"
         if self.dist.is_main:
-            save_method_drafter(self.method, drafter_dir)
+            save_method_drafter(self.method, drafter_dir, self.cfg)
             from vllm_moa.training.plot import plot_metrics
 
             plot_metrics(self.out / METRICS, self.out / "metrics.png")

@@ -4,11 +4,14 @@ vLLM 0.32 has no registry of speculative methods: `SpeculativeConfig.method` is 
 V1 model runner picks its proposer in an if/elif chain. MoA therefore rides on the rails vLLM
 keeps for out-of-tree proposers (`custom_class`): while vLLM validates the speculative config and
 builds the model runner, a `moa` config is shown to it as `custom_class` naming our proposer
-class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Four patches:
+class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six patches:
 
 1. `SpeculativeConfig.method` accepts "moa" (the Literal is extended, the pydantic schema rebuilt).
 2. `SpeculativeConfig.__post_init__` recognises a MoA drafter directory when `method` is omitted,
-   validates it (clear errors), and lets vLLM's `custom_class` branch fill in the rest.
+   validates it before any engine starts (parallelism refused first; the drafter's config,
+   target shape and weights file header checked against the target, one clear error each; a
+   warning when K exceeds the chains it was trained for), and lets vLLM's `custom_class` branch
+   fill in the rest. Its `__repr__` (the engine's config line) names the drafter.
 3. `VllmConfig._get_v2_model_runner_unsupported_features` lists MoA, so vLLM selects the V1 model
    runner (or, if V2 is forced, refuses with its own clear message: no silent fallback).
 4. `GPUModelRunner.__init__` builds our proposer through the `custom_class` branch, and
@@ -93,9 +96,12 @@ def moa_drafter_model_type(path: object) -> str | None:
     return model_type if model_type in DRAFTER_KINDS else None
 
 
-def resolve_moa_drafter(model: object) -> str:
-    """Check `model` names a MoA drafter directory; return its absolute path."""
+def resolve_moa_drafter(model: object, target_hf_config: Any = None) -> str:
+    """Check `model` names a MoA drafter directory (for the target of `target_hf_config`, when
+    given: shape and weights file checked, no weights read); return its absolute path."""
+    from vllm_moa.checkpoint.validate import DrafterCheckError, check_drafter_dir
     from vllm_moa.model.config import MOA_MODEL_TYPE
+    from vllm_moa.target.adapter import target_shape
 
     if not isinstance(model, str) or not model:
         raise ValueError(
@@ -104,25 +110,50 @@ def resolve_moa_drafter(model: object) -> str:
             "`vllm-moa init-drafter`)."
         )
     path = drafter_dir_of(model)
-    if not (path / "config.json").is_file():
+    kind = moa_drafter_model_type(str(path))
+    if kind is not None and kind != MOA_MODEL_TYPE:
         raise ValueError(
-            f'speculative method "moa": {model!r} is not a drafter directory (no config.json '
-            "there). Pass the directory `vllm-moa train --out` wrote (its drafter/ folder) or "
-            "one made by `vllm-moa init-drafter`; model hub names are not supported."
+            f'speculative method "moa": {path}/config.json has model_type {kind!r}, expected '
+            f"{MOA_MODEL_TYPE!r}. It is one of our baseline drafters (EAGLE / independent), "
+            "which run in the standalone engine (`vllm-moa generate --drafter`), not as vLLM's "
+            "moa method."
         )
-    model_type = moa_drafter_model_type(str(path))
-    if model_type != MOA_MODEL_TYPE:
-        hint = (
-            " It is one of our baseline drafters (EAGLE / independent), which run in the "
-            "standalone engine (`vllm-moa generate --drafter`), not as vLLM's moa method."
-            if model_type
-            else ""
-        )
-        raise ValueError(
-            f'speculative method "moa": {path}/config.json has model_type {model_type!r}, '
-            f"expected {MOA_MODEL_TYPE!r}.{hint}"
-        )
+    target = None if target_hf_config is None else target_shape(target_hf_config)
+    try:
+        check_drafter_dir(path, target)
+    except DrafterCheckError as e:
+        raise ValueError(f'speculative method "moa": {e}') from None
     return str(path.resolve())
+
+
+def check_parallelism(parallel: Any) -> None:
+    """MoA runs with one worker per model: refuse tensor / pipeline parallelism up front."""
+    if parallel is None:
+        return
+    tp = int(getattr(parallel, "tensor_parallel_size", 1))
+    pp = int(getattr(parallel, "pipeline_parallel_size", 1))
+    if tp > 1 or pp > 1:
+        raise ValueError(
+            f'speculative method "moa" does not support tensor or pipeline parallelism yet '
+            f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp}): serve with "
+            "--tensor-parallel-size 1 --pipeline-parallel-size 1, or without MoA"
+        )
+
+
+def warn_chain_length(drafter_dir: str, k: int) -> None:
+    """A warning when K lies outside the chain lengths the drafter was trained for."""
+    from vllm.logger import init_logger
+
+    from vllm_moa.checkpoint.validate import trained_chain_range
+
+    trained = trained_chain_range(drafter_dir)
+    if trained is not None and k > trained[1]:
+        init_logger(__name__).warning(
+            "num_speculative_tokens=%d is longer than the chains drafter %s was trained for "
+            "(%d to %d tokens): drafts past %d are unlikely to be accepted and cost a draft "
+            "step each; use num_speculative_tokens <= %d",
+            k, drafter_dir, trained[0], trained[1], trained[1], trained[1],
+        )  # fmt: skip
 
 
 def apply() -> None:
@@ -184,7 +215,9 @@ def _patch_speculative_post_init() -> None:
         if self.method != METHOD:
             original(self)
             return
-        drafter_dir = resolve_moa_drafter(self.model)
+        check_parallelism(self.target_parallel_config)
+        target_config = getattr(self.target_model_config, "hf_text_config", None)
+        drafter_dir = resolve_moa_drafter(self.model, target_config)
         if self.num_speculative_tokens is None:
             raise ValueError(
                 'speculative method "moa" needs "num_speculative_tokens" (the chain length K, '
@@ -194,12 +227,24 @@ def _patch_speculative_post_init() -> None:
             raise ValueError(
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
+        warn_chain_length(drafter_dir, int(self.num_speculative_tokens))
         self.model = drafter_dir
         with shown_as_custom_class(self):
             original(self)
 
     __post_init__._vllm_moa = True  # type: ignore[attr-defined]
     SpeculativeConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
+
+    original_repr = SpeculativeConfig.__repr__
+
+    @functools.wraps(original_repr)
+    def __repr__(self: Any) -> str:  # the engine's config line names the drafter, not the target
+        if self.method != METHOD:
+            return original_repr(self)
+        method, model, num_spec_tokens = self.method, self.model, self.num_speculative_tokens
+        return f"SpeculativeConfig({method=}, {model=}, {num_spec_tokens=})"
+
+    SpeculativeConfig.__repr__ = __repr__  # type: ignore[method-assign]
 
 
 # 3. Model runner selection ------------------------------------------------------------------
