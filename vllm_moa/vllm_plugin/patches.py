@@ -52,6 +52,8 @@ from vllm_moa.checkpoint.io import drafter_dir_of
 SUPPORTED_VLLM_VERSION = "0.32.0"
 METHOD = "moa"
 PROPOSER_CLASS_PATH = "vllm_moa.vllm_plugin.proposer.MoAVllmProposer"
+# A child of vLLM's configured "vllm" logger: our lines read like vLLM's, at its log level.
+LOGGER_NAME = "vllm.moa"
 
 _applied = False
 
@@ -142,13 +144,13 @@ def check_parallelism(parallel: Any) -> None:
 
 def warn_chain_length(drafter_dir: str, k: int) -> None:
     """A warning when K lies outside the chain lengths the drafter was trained for."""
-    from vllm.logger import init_logger
+    import logging
 
     from vllm_moa.checkpoint.validate import trained_chain_range
 
     trained = trained_chain_range(drafter_dir)
     if trained is not None and k > trained[1]:
-        init_logger(__name__).warning(
+        logging.getLogger(LOGGER_NAME).warning(
             "num_speculative_tokens=%d is longer than the chains drafter %s was trained for "
             "(%d to %d tokens): drafts past %d are unlikely to be accepted and cost a draft "
             "step each; use num_speculative_tokens <= %d",

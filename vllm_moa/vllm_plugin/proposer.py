@@ -46,10 +46,11 @@ from vllm_moa.vllm_plugin.kv_reader import (
 )
 from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV
 from vllm_moa.vllm_plugin.pages import DrafterPages
+from vllm_moa.vllm_plugin.patches import LOGGER_NAME
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 from vllm_moa.vllm_plugin.uploads import upload
 
-logger = logging.getLogger("vllm_moa")
+logger = logging.getLogger(LOGGER_NAME)
 
 # "0": the drafter's linear layers use torch.nn.functional.linear on the CPU instead of vLLM's
 # CPU GEMM dispatch (for comparisons).
