@@ -11,6 +11,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Tests of the speculative machinery run at a fixed K (drafting every cycle); the tests of
+# adaptive speculation (test_adaptive.py, vllm_integration/test_vllm_adaptive.py) turn it on.
+os.environ.setdefault("VLLM_MOA_ADAPTIVE", "0")
+
 import pytest
 
 from vllm_moa.decoding import MoAProposer

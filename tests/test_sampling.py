@@ -8,6 +8,7 @@ from conftest import make_drafter, make_hf_model
 from scipy.stats import chi2
 
 from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine, Verdict
+from vllm_moa.decoding.adaptive import StepCosts
 from vllm_moa.decoding.sampling import probabilities, verify_rejection
 from vllm_moa.target import HFTarget
 
@@ -116,33 +117,60 @@ def _exact_joint(target: HFTarget, params: SamplingParams) -> torch.Tensor:
     return joint.reshape([VOCAB] * NEW)
 
 
+class CoinCosts(StepCosts):
+    """Adaptive speculation under test: costs that make drafting pay on even engine steps only,
+    so the chain length varies between 0 and 3 from cycle to cycle."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.observe_verify(1, 1.0)
+        self.observe_verify(4, 1.0)
+        self.calls = 0
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        super().observe_verify(tokens, 1.0)
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        self.calls += 1
+        super().observe_draft(1, 0.01 if self.calls % 2 else 10.0)
+        self.draft_step = 0.01 if self.calls % 2 else 10.0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "params, verifier, lossless",
+    "params, verifier, lossless, adaptive",
     [
-        (SamplingParams(temperature=1.0), verify_rejection, True),
-        (SamplingParams(temperature=0.8, top_p=0.8, top_k=3), verify_rejection, True),
-        (SamplingParams(temperature=1.0), always_accept, False),  # the control must fail
+        (SamplingParams(temperature=1.0), verify_rejection, True, False),
+        (SamplingParams(temperature=0.8, top_p=0.8, top_k=3), verify_rejection, True, False),
+        (SamplingParams(temperature=0.8, top_p=0.8, top_k=3), verify_rejection, True, True),
+        (SamplingParams(temperature=1.0), always_accept, False, False),  # the control must fail
     ],
 )
 def test_speculative_sampling_preserves_the_target_distribution(
-    small_vocab_target, params, verifier, lossless
+    small_vocab_target, params, verifier, lossless, adaptive
 ):
     target = small_vocab_target
     exact = _exact_joint(target, params)
     # Tokens 2..NEW are the ones speculation produces; test their joint law (64 cells).
     marginal = exact.sum(0).flatten()
     proposer = MoAProposer(make_drafter(target, tli=1, seed=1), target)
-    engine = SpeculativeEngine(target, proposer, rejection_verifier=verifier)
+    costs = CoinCosts() if adaptive else None
+    engine = SpeculativeEngine(target, proposer, rejection_verifier=verifier, step_costs=costs)
     counts = torch.zeros(VOCAB ** (NEW - 1))
     drafted = accepted = 0
+    lengths = [0] * 4
     for seed in range(2000):
-        r = engine.generate(PROMPT, NEW, params, num_speculative_tokens=3, seed=seed)
+        r = engine.generate(
+            PROMPT, NEW, params, num_speculative_tokens=3, seed=seed, adaptive=adaptive
+        )
         a, b, c = r.token_ids[1:]
         counts[(a * VOCAB + b) * VOCAB + c] += 1
         drafted += r.stats.num_draft_tokens
         accepted += r.stats.num_accepted_tokens
+        lengths = [x + y for x, y in zip(lengths, r.stats.draft_length_histogram, strict=True)]
     if lossless:
         assert 0.1 < accepted / drafted < 0.95  # both acceptances and rejections happened
+    if adaptive:  # cycles of 0 drafts (plain steps through the proposer) and of 1-2 drafts
+        assert lengths[0] > 500 and lengths[1] + lengths[2] > 500, lengths
     pvalue = _chi2_pvalue(counts, marginal)
     assert (pvalue > 1e-3) == lossless, pvalue

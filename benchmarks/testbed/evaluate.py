@@ -36,7 +36,8 @@ def run_generations(
     eos: list[int],
     tree: TreeParams | None = None,
 ) -> dict[str, Any]:
-    """Greedy generations; k is the chain length, or the tree's depth when `tree` is given."""
+    """Greedy generations; k is the chain length, or the tree's depth when `tree` is given.
+    Always the fixed k (adaptive speculation off): the testbed measures the drafter at k."""
     cycles = accepted = calls = tokens = 0
     seconds = 0.0
     hist = [0] * (k + 1)
@@ -44,7 +45,9 @@ def run_generations(
     accepted_at = [0] * k
     outputs = []
     for ids in prompts:
-        r = engine.generate(ids, new_tokens, num_speculative_tokens=k, eos_token_ids=eos, tree=tree)
+        r = engine.generate(
+            ids, new_tokens, num_speculative_tokens=k, eos_token_ids=eos, tree=tree, adaptive=False
+        )
         s = r.stats
         outputs.append(r.token_ids)
         cycles += s.num_cycles

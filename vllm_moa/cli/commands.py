@@ -122,6 +122,7 @@ def _print_stats(record: dict[str, Any], file: Any = sys.stdout) -> None:
     print(
         f"[{record['num_generated_tokens']} tokens, {record['target_calls']} target calls, "
         f"tau={record['mean_accepted_length']:.2f}, histogram={hist}, "
+        f"drafts per cycle={record['draft_length_histogram']}, "
         f"per-position acceptance=[{rates}], {record['tokens_per_second']:.1f} tok/s, "
         f"finish={record['finish_reason']}]",
         file=file,

@@ -1,6 +1,9 @@
 """The standalone speculative engine: chain drafting, lossless verification, one sequence.
 
-Without a proposer the same loop is plain autoregressive decoding, the baseline.
+Without a proposer the same loop is plain autoregressive decoding, the baseline. With one, the
+chain length of each cycle adapts to the measured acceptance and costs (decoding/adaptive.py;
+`adaptive=False` or VLLM_MOA_ADAPTIVE=0 for a fixed K); a cycle of 0 drafts is a plain target
+step that keeps the proposer's state in step.
 """
 
 from __future__ import annotations
@@ -11,6 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_moa.decoding.adaptive import (
+    PROBE_EVERY,
+    AcceptancePrior,
+    AcceptanceTracker,
+    StepCosts,
+    adaptive_enabled,
+    choose_lengths,
+)
 from vllm_moa.decoding.proposer import Proposer, TreeProposer, choose_token
 from vllm_moa.decoding.sampling import (
     SamplingParams,
@@ -51,11 +62,15 @@ class SpeculativeEngine:
         target: HFTarget,
         proposer: Proposer | None = None,
         rejection_verifier: RejectionVerifier = verify_rejection,
+        step_costs: StepCosts | None = None,
     ) -> None:
         self.target = target
         self.proposer = proposer
         # Injectable so tests can prove the distribution test catches a broken verifier.
         self.rejection_verifier = rejection_verifier
+        # Adaptive speculation's measurements, kept across requests (injectable for tests).
+        self.step_costs = step_costs or StepCosts()
+        self._priors: dict[int, AcceptancePrior] = {}
 
     def _check_request(
         self, prompt_ids: Sequence[int], max_new_tokens: int, num_speculative_tokens: int
@@ -87,9 +102,11 @@ class SpeculativeEngine:
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         tree: TreeParams | None = None,
+        adaptive: bool | None = None,
     ) -> GenerationResult:
-        """Chain drafting of num_speculative_tokens, or EAGLE-2 trees when `tree` is given (its
-        depth then plays the part of K)."""
+        """Chain drafting of up to num_speculative_tokens (chosen per cycle when `adaptive`,
+        default: on unless VLLM_MOA_ADAPTIVE=0), or EAGLE-2 trees when `tree` is given (its
+        depth then plays the part of K; trees are not adapted)."""
         params = params or SamplingParams()
         if tree is not None:
             if not isinstance(self.proposer, TreeProposer):
@@ -106,6 +123,11 @@ class SpeculativeEngine:
         stats = GenerationStats(k_max)
         hidden_layers = proposer.hidden_layers if proposer is not None else ()
         eos = set(eos_token_ids)
+        if adaptive is None:
+            adaptive = adaptive_enabled()
+        adaptive = adaptive and proposer is not None and tree is None
+        costs = self.step_costs
+        tracker = AcceptanceTracker(k_max, self._priors.setdefault(k_max, AcceptancePrior(k_max)))
         t0 = time.perf_counter()
 
         target.reset()
@@ -116,24 +138,31 @@ class SpeculativeEngine:
         if proposer is not None:
             proposer.start(prompt, out)
         finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
+        plain_step = False
         while finish is None:
             last = generated[-1]
             position = len(prompt) + len(generated) - 1  # of `last`, not yet run by the target
             k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
             if k >= 1 and tree is not None:
                 new = self._speculate_tree(last, position, k, tree, params, gen, stats)
+            elif k >= 1 and adaptive:
+                probe = stats.num_cycles % PROBE_EVERY == PROBE_EVERY - 1
+                k = choose_lengths([tracker], [k], costs, probe)[0]
+                new = self._speculate(last, position, k, params, gen, stats, costs)
+                tracker.observe(k, len(new) - 1)
             elif k >= 1 and proposer is not None:
                 new = self._speculate(last, position, k, params, gen, stats)
             else:  # plain decoding, or the final token where no draft can fit
                 out = target.forward(torch.tensor([last]), hidden_layers)
                 stats.record_cycle(0, 0)
                 new = [choose_token(out.logits[-1], params, gen)[0]]
+                plain_step = proposer is not None  # leaves the proposer behind: must be last
             for token in new:
                 generated.append(token)
                 finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
                 if finish is not None:
                     break
-            if finish is None and k < 1 and proposer is not None:
+            if finish is None and plain_step:
                 raise RuntimeError("internal: a plain step with a proposer must be the last one")
 
         if target.device.type == "cuda":
@@ -150,20 +179,29 @@ class SpeculativeEngine:
         params: SamplingParams,
         gen: torch.Generator,
         stats: GenerationStats,
+        costs: StepCosts | None = None,
     ) -> list[int]:
-        """One draft + verify cycle from `last` at `position`; returns the emitted tokens."""
+        """One draft + verify cycle from `last` at `position` (k = 0: a plain step through the
+        proposer); returns the emitted tokens. `costs`: record the draft and verify times."""
         assert self.proposer is not None
+        started = time.perf_counter()
         proposal = self.proposer.propose(last, k, params, gen)
+        drafted = time.perf_counter()
         out = self.target.forward(
             torch.tensor([last, *proposal.tokens]), self.proposer.hidden_layers
         )
-        if params.greedy:
+        if not proposal.tokens:
+            verdict = Verdict(0, choose_token(out.logits[-1], params, gen)[0])
+        elif params.greedy:
             verdict = verify_greedy(proposal.tokens, out.logits)
         else:
             assert proposal.probs is not None
             target_probs = probabilities(out.logits, params)
             verdict = self.rejection_verifier(proposal.tokens, proposal.probs, target_probs, gen)
         a = verdict.num_accepted
+        if costs is not None:  # verdict read the target's output: the times are complete
+            costs.observe_draft(k, drafted - started)
+            costs.observe_verify(k + 1, time.perf_counter() - drafted)
         self.target.crop(position + a + 1)
         self.proposer.accept(proposal.tokens[:a], _rows(out, list(range(a + 1))))
         stats.record_cycle(k, a)

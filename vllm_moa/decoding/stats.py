@@ -17,10 +17,13 @@ class GenerationStats:
     accepted_length_histogram: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)  # [K]
     accepted_per_position: list[int] = field(default_factory=list)  # [K]
+    # draft_length_histogram[k] = cycles that drafted k tokens (adaptive speculation's choices)
+    draft_length_histogram: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
         self.accepted_length_histogram = self.accepted_length_histogram or [0] * (k + 1)
+        self.draft_length_histogram = self.draft_length_histogram or [0] * (k + 1)
         self.drafted_per_position = self.drafted_per_position or [0] * k
         self.accepted_per_position = self.accepted_per_position or [0] * k
 
@@ -30,6 +33,7 @@ class GenerationStats:
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
         self.accepted_length_histogram[num_accepted] += 1
+        self.draft_length_histogram[num_drafted] += 1
         for i in range(num_drafted):
             self.drafted_per_position[i] += 1
             self.accepted_per_position[i] += int(i < num_accepted)
@@ -70,6 +74,7 @@ class GenerationStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_length_histogram": list(self.accepted_length_histogram),
+            "draft_length_histogram": list(self.draft_length_histogram),
             "acceptance_rate_per_position": self.acceptance_rate_per_position,
             "wall_time_s": self.wall_time_s,
             "tokens_per_second": self.tokens_per_second,

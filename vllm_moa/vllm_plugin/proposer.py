@@ -22,6 +22,11 @@ Per request the proposer keeps only how many positions it has written and for wh
 allocation: chunked prefill needs nothing special (rows are written up to whatever the target
 cache holds when a request next drafts), and a request resumed after preemption (vLLM hands it
 new blocks) or a reused request id gets its rows rewritten from position 0.
+
+How many tokens each request drafts is chosen per step (decoding/adaptive.py, unless
+VLLM_MOA_ADAPTIVE=0): from its acceptance so far and the measured costs of a draft step and of
+the target's step (the time between two proposer calls, against the tokens it scheduled). A
+request given 0 drafts costs nothing that step: its rows are written when it next drafts.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +42,14 @@ from typing import Any
 import torch
 
 from vllm_moa.checkpoint.io import load_drafter
+from vllm_moa.decoding.adaptive import (
+    PROBE_EVERY,
+    AcceptancePrior,
+    AcceptanceTracker,
+    StepCosts,
+    adaptive_enabled,
+    choose_lengths,
+)
 from vllm_moa.model.moa import MoADrafter
 from vllm_moa.vllm_plugin.cpu_linear import dispatch_linears
 from vllm_moa.vllm_plugin.kv_reader import (
@@ -69,6 +83,7 @@ class RequestState:
 
     block_ids: Any  # the runner's CachedRequestState.block_ids the pages were written for
     written: int = 0  # positions 0..written-1 (verified tokens) have memory + SA rows
+    tracker: AcceptanceTracker | None = None  # adaptive speculation: its acceptance so far
 
 
 class MoAVllmProposer:
@@ -96,6 +111,14 @@ class MoAVllmProposer:
         self._where: dict[str, tuple[int, int]] | None = None  # layer name: group, block size
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
         self._stores: dict[str, PagedKV] | None = None  # SA and memory pages
+        # Adaptive speculation (decoding/adaptive.py): acceptance prior, costs, chosen lengths.
+        self.adaptive = adaptive_enabled()
+        self.prior = AcceptancePrior(self.num_speculative_tokens)
+        self.costs = StepCosts()
+        self.calls = 0
+        self._last_return: float | None = None  # when the previous call handed its drafts back
+        self.chosen = [0] * (self.num_speculative_tokens + 1)  # request-steps by drafts chosen
+        self._chosen_logged = time.monotonic()
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -188,13 +211,21 @@ class MoAVllmProposer:
             state = self.states.get(rid)
             if state is None or state.block_ids is not block_ids or state.written > n - 1:
                 # new, reused id, or resumed after preemption (new blocks): rewrite the pages
-                state = self.states[rid] = RequestState(block_ids)
+                tracker = state.tracker if state is not None else None
+                state = self.states[rid] = RequestState(block_ids, tracker=tracker)
             rows.append(row)
             budgets.append(budget)
             lengths.append(n)
         if not rows:
-            return drafts
+            return self._handed_back(drafts)
         states = [self.states[req_ids[r]] for r in rows]
+        if self.adaptive:
+            ks = self._choose(scheduler_output, req_ids, rows, states, budgets, sampled_token_ids)
+            keep = [i for i, k in enumerate(ks) if k > 0]
+            rows, states = [rows[i] for i in keep], [states[i] for i in keep]
+            budgets, lengths = [ks[i] for i in keep], [lengths[i] for i in keep]
+            if not rows:
+                return self._handed_back(drafts)
         # Each request's tokens from its first position without page rows to its last token.
         pending = [
             batch.token_ids_cpu[r, s.written : n].tolist()
@@ -202,7 +233,9 @@ class MoAVllmProposer:
         ]
         self._bind_stores(runner)
         self._write_pages(runner, states, pending)
+        started = time.perf_counter()
         chains = self._draft(runner, rows, states, pending, budgets)
+        self.costs.observe_draft(max(budgets), time.perf_counter() - started)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
         trace = os.environ.get(TRACE_ENV)
@@ -211,6 +244,52 @@ class MoAVllmProposer:
                 for row, n in zip(rows, lengths, strict=True):
                     toks = batch.token_ids_cpu[row, :n].tolist()
                     f.write(json.dumps({"tokens": toks, "drafts": drafts[row]}) + "\n")
+        return self._handed_back(drafts)
+
+    # -- adaptive speculation ------------------------------------------------------------------
+
+    def _choose(
+        self,
+        scheduler_output: Any,
+        req_ids: list[str],
+        rows: list[int],
+        states: list[RequestState],
+        budgets: list[int],
+        sampled_token_ids: list[list[int]],
+    ) -> list[int]:
+        """Record the step just verified (its time and tokens; each request's accepted drafts),
+        then choose how many tokens each request drafts now."""
+        now = time.perf_counter()
+        if self._last_return is not None:
+            tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+            if tokens > 0:
+                self.costs.observe_verify(tokens, now - self._last_return)
+        verified = scheduler_output.scheduled_spec_decode_tokens
+        for row, state in zip(rows, states, strict=True):
+            if state.tracker is None:
+                state.tracker = AcceptanceTracker(self.num_speculative_tokens, self.prior)
+            drafted = len(verified.get(req_ids[row], ()))
+            state.tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
+        self.calls += 1
+        probe = self.calls % PROBE_EVERY == 0
+        trackers = [s.tracker for s in states if s.tracker is not None]
+        ks = choose_lengths(trackers, budgets, self.costs, probe)
+        for k in ks:
+            self.chosen[k] += 1
+        if time.monotonic() - self._chosen_logged > 30.0:
+            self._chosen_logged = time.monotonic()
+            total = max(sum(self.chosen), 1)
+            logger.info(
+                "MoA adaptive speculation: drafts per request-step %s (0..%d), mean %.2f; "
+                "draft step %.2f ms, target step %.2f ms + %.3f ms per token",
+                [round(c / total, 3) for c in self.chosen], self.num_speculative_tokens,
+                sum(k * c for k, c in enumerate(self.chosen)) / total,
+                1e3 * self.costs.draft_step, 1e3 * self.costs.base, 1e3 * self.costs.per_token,
+            )  # fmt: skip
+        return ks
+
+    def _handed_back(self, drafts: list[list[int]]) -> list[list[int]]:
+        self._last_return = time.perf_counter()
         return drafts
 
     def _read_layer_kv(

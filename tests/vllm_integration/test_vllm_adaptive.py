@@ -1,0 +1,91 @@
+"""Adaptive speculation inside vLLM: a drafter that never matches stops drafting; the drafts
+that do land are kept when drafting is cheap; outputs equal plain decoding either way; and
+VLLM_MOA_ADAPTIVE=0 restores the fixed K. Drafting is read from vLLM's own spec-decode counters
+(draft tokens per generated token: about K with a fixed K and a useless drafter). A drafter that
+always matches keeping K is tested in the standalone engine (tests/test_adaptive.py), where an
+oracle drafter exists."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.vllm_integration.conftest import greedy, make_llm, spec_metrics
+from tests.vllm_integration.test_vllm_offline import PROMPTS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+K = 4
+MAX_TOKENS = 48
+
+
+def cheap_drafts():
+    """A cost model whose measurements are replaced: a draft step 1/20 of a target step."""
+    from vllm_moa.decoding.adaptive import StepCosts
+
+    class CheapDrafts(StepCosts):
+        def observe_draft(self, steps: int, seconds: float) -> None:
+            super().observe_draft(1, 0.001)
+
+        def observe_verify(self, tokens: int, seconds: float) -> None:
+            super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
+
+    return CheapDrafts()
+
+
+@pytest.fixture(scope="module")
+def plain(moa_pair):
+    llm = make_llm(moa_pair["target"])
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, greedy(MAX_TOKENS))]
+    del llm
+    return out
+
+
+@pytest.fixture(scope="module")
+def random_drafter(moa_pair, tmp_path_factory):
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.target import load_target_info
+
+    drafter = MoADrafter(make_config(load_target_info(moa_pair["target"]), preset="small"))
+    drafter.init_weights(seed=11)
+    return save_drafter(drafter, tmp_path_factory.mktemp("random") / "drafter")
+
+
+def drafting(moa_pair, drafter, plain) -> tuple[float, int]:
+    """(draft tokens per generated token, accepted tokens) for 20 concurrent greedy requests,
+    after checking the outputs equal plain decoding."""
+    llm = make_llm(moa_pair["target"], drafter, k=K)
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, greedy(MAX_TOKENS))]
+    assert got == plain
+    m = spec_metrics(llm)
+    del llm
+    draft_tokens = m["vllm:spec_decode_num_draft_tokens"]
+    accepted = m.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return draft_tokens / (len(plain) * MAX_TOKENS), accepted
+
+
+def test_a_drafter_that_never_matches_stops_drafting(moa_pair, random_drafter, plain,
+                                                     monkeypatch):  # fmt: skip
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")  # the default (tests set 0: tests/conftest.py)
+    adaptive, _ = drafting(moa_pair, random_drafter, plain)
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "0")
+    fixed, accepted = drafting(moa_pair, random_drafter, plain)
+    assert accepted < 0.05 * fixed * len(plain) * MAX_TOKENS, "the drafter should land ~nothing"
+    assert fixed > 2.5, f"fixed K drafts ~K per generated token, got {fixed:.2f}"
+    assert adaptive < 0.25 * fixed, (adaptive, fixed)
+
+
+def test_drafts_that_land_are_kept_when_drafting_is_cheap(moa_pair, plain, monkeypatch):
+    """The trained test drafter (it lands few drafts on these prompts: 3% at K=4, mostly in
+    repetitive stretches), with the measured costs replaced by a draft step 20x cheaper than
+    the target step: adaptive drafting keeps most of the accepted tokens for far fewer drafts."""
+    from vllm_moa.vllm_plugin import proposer
+
+    monkeypatch.setattr(proposer, "StepCosts", cheap_drafts)
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
+    adaptive, adaptive_accepted = drafting(moa_pair, moa_pair["tli0"], plain)
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "0")
+    fixed, fixed_accepted = drafting(moa_pair, moa_pair["tli0"], plain)
+    assert fixed_accepted > 40, "the trained drafter should land some drafts"
+    assert adaptive_accepted > 0.6 * fixed_accepted, (adaptive_accepted, fixed_accepted)
+    assert adaptive < 0.5 * fixed, (adaptive, fixed)
