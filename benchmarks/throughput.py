@@ -13,7 +13,9 @@ runs it by default (`--enforce-eager` for eager), rounds alternating between
 the engines so drift in machine speed hits all alike. Reported per (method, b): median output
 tokens/s over rounds, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts,
 per-position rates) from vLLM's own spec-decode counters (process-wide, so read around each
-round of each engine); speedup = ratio of medians.
+round of each engine); speedup = ratio of medians. MoA runs twice by default (`--adaptive
+both`): with the speculation length chosen per step (`moa_k4_adaptive`, the default a user gets)
+and with the fixed K (`moa_k4`, VLLM_MOA_ADAPTIVE=0).
 Writes a JSON (config, git SHA, machine, figures) and a PNG beside it.
 """
 
@@ -28,6 +30,8 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from vllm_moa.decoding.adaptive import ADAPTIVE_ENV
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -234,6 +238,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--adaptive", default="both", choices=["both", "on", "off"],
+        help="MoA with adaptive speculation length, with the fixed K, or both (one engine each)",
+    )  # fmt: skip
     args = p.parse_args()
 
     import vllm
@@ -249,10 +257,14 @@ def main() -> None:
         methods["eagle"] = ("eagle", vllm_eagle_dir(args.eagle, args.target))
     eager = args.enforce_eager
     engines = {"plain": make_engine(args.target, None, top, args.dtype, eager)}
+    modes = {"both": [False, True], "on": [True], "off": [False]}[args.adaptive]
     for k in args.k:
         for label, (method, model) in methods.items():
             spec = {"method": method, "model": model, "num_speculative_tokens": k}
-            engines[f"{label}_k{k}"] = make_engine(args.target, spec, top, args.dtype, eager)
+            for adaptive in modes if method == "moa" else [False]:
+                name = f"{label}_k{k}" + ("_adaptive" if adaptive else "")
+                os.environ[ADAPTIVE_ENV] = "1" if adaptive else "0"  # read when the engine starts
+                engines[name] = make_engine(args.target, spec, top, args.dtype, eager)
         if args.ngram:
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
             engines[f"ngram_k{k}"] = make_engine(args.target, spec, top, args.dtype, eager)

@@ -32,7 +32,6 @@ a fixed K.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -174,24 +173,27 @@ PROBE_EVERY = 32  # steps between probes
 def _best_lengths(
     trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts
 ) -> list[int]:
-    gains = [t.gains(b) for t, b in zip(trackers, budgets, strict=True)]
+    """One pass per number of draft steps m = 1, 2, ...: every request takes its leading
+    drafts (up to m) whose expected tokens beat their verify cost at the best goodput so far
+    (a lower bound of the optimum's, so the rule errs towards drafting); stop at the first m
+    that does not improve on m - 1 (acceptance gains only shrink with depth). O(batch * K)."""
     n_req = len(trackers)
-    best_ks = [0] * n_req
+    gains = [t.gains(b) for t, b in zip(trackers, budgets, strict=True)]
     best_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
+    best_ks = [0] * n_req
     for m in range(1, max(budgets, default=0) + 1):
-        ks = [min(m, len(g)) for g in gains]
-        rate = 0.0
-        for _ in range(3):  # marginal rule at the current goodput, then re-evaluate
-            tokens = n_req + sum(ks)
-            time = costs.step_time(tokens, m if any(ks) else 0)
-            rate = (n_req + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))) / time
-            threshold = rate * costs.per_token
-            ks = [_take_while(g[:m], threshold) for g in gains]
-        tokens = n_req + sum(ks)
-        time = costs.step_time(tokens, max(ks, default=0))
-        rate = (n_req + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))) / time
-        if rate > best_rate * (1.0 + 1e-9) and not math.isnan(rate):
-            best_rate, best_ks = rate, ks
+        threshold = best_rate * costs.per_token
+        ks = [_take_while(g[:m], threshold) for g in gains]
+        deepest = max(ks)
+        if deepest == 0:
+            break
+        expected = n_req + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
+        rate = expected / max(costs.step_time(n_req + sum(ks), deepest), 1e-12)
+        if not rate > best_rate * (1.0 + 1e-9):
+            break
+        best_rate, best_ks = rate, ks
+        if deepest < m:  # nobody takes draft m: deeper steps cannot pay either
+            break
     return best_ks
 
 

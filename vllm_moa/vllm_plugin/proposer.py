@@ -116,6 +116,7 @@ class MoAVllmProposer:
         self.prior = AcceptancePrior(self.num_speculative_tokens)
         self.costs = StepCosts()
         self.calls = 0
+        self.probe_every, self._next_probe = PROBE_EVERY, PROBE_EVERY  # backs off while futile
         self._last_return: float | None = None  # when the previous call handed its drafts back
         self.chosen = [0] * (self.num_speculative_tokens + 1)  # request-steps by drafts chosen
         self._chosen_logged = time.monotonic()
@@ -271,9 +272,16 @@ class MoAVllmProposer:
             drafted = len(verified.get(req_ids[row], ()))
             state.tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
         self.calls += 1
-        probe = self.calls % PROBE_EVERY == 0
         trackers = [s.tracker for s in states if s.tracker is not None]
-        ks = choose_lengths(trackers, budgets, self.costs, probe)
+        ks = choose_lengths(trackers, budgets, self.costs)
+        if any(ks):
+            self.probe_every = PROBE_EVERY
+        elif self.calls >= self._next_probe:
+            # Nobody drafts: probe with one draft each, less often while probes change nothing
+            # (a probe also writes every row skipped since the last drafting step).
+            ks = [min(1, b) for b in budgets]
+            self._next_probe = self.calls + self.probe_every
+            self.probe_every = min(2 * self.probe_every, 16 * PROBE_EVERY)
         for k in ks:
             self.chosen[k] += 1
         if time.monotonic() - self._chosen_logged > 30.0:
