@@ -48,7 +48,8 @@ class AcceptancePrior:
     estimates start and where idle estimates drift back to."""
 
     k_max: int
-    start: float = 0.5  # an unknown drafter is assumed to land half its drafts
+    # Optimistic: positions never drafted look worth a try (then measured, and corrected).
+    start: float = 0.8
     weight: float = 0.05
     alpha: list[float] = field(default_factory=list)
 

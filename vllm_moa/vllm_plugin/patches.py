@@ -16,7 +16,8 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
    runner (or, if V2 is forced, refuses with its own clear message: no silent fallback).
 4. `GPUModelRunner.__init__` builds our proposer through the `custom_class` branch, and
    `GPUModelRunner.propose_draft_token_ids` hands MoA steps to it with the runner itself (block
-   tables, request states) in reach. `CPUModelRunner` subclasses `GPUModelRunner`.
+   tables, request states) in reach; `execute_model` notes when each step begins (adaptive
+   speculation times the target's step). `CPUModelRunner` subclasses `GPUModelRunner`.
 5. `VllmConfig.num_lookahead_tokens` is K for MoA, as for vLLM's EAGLE: the scheduler reserves
    KV slots for the drafted positions, where the proposer writes their SA (and TLI) K/V.
 6. Two bug fixes for speculative sampling on vLLM's CPU backend, for every speculative method,
@@ -43,6 +44,7 @@ All patches are idempotent; `apply()` refuses any other vLLM version.
 from __future__ import annotations
 
 import functools
+import time
 import typing
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -311,9 +313,19 @@ def _patch_model_runner() -> None:
             return original_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         return self.drafter.propose_in_runner(self, scheduler_output, sampled_token_ids)
 
+    original_execute = GPUModelRunner.execute_model
+
+    @functools.wraps(original_execute)
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # When the target's step began: adaptive speculation times the step from here to the
+        # proposer (model and sampling, not the scheduler or an idle server).
+        self._vllm_moa_step_start = time.perf_counter()
+        return original_execute(self, *args, **kwargs)
+
     __init__._vllm_moa = True  # type: ignore[attr-defined]
     GPUModelRunner.__init__ = __init__  # type: ignore[method-assign]
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
+    GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
 
 
 # 5. Lookahead KV slots ------------------------------------------------------------------------

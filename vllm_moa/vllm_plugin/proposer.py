@@ -117,7 +117,6 @@ class MoAVllmProposer:
         self.costs = StepCosts()
         self.calls = 0
         self.probe_every, self._next_probe = PROBE_EVERY, PROBE_EVERY  # backs off while futile
-        self._last_return: float | None = None  # when the previous call handed its drafts back
         self.chosen = [0] * (self.num_speculative_tokens + 1)  # request-steps by drafts chosen
         self._chosen_logged = time.monotonic()
 
@@ -218,15 +217,17 @@ class MoAVllmProposer:
             budgets.append(budget)
             lengths.append(n)
         if not rows:
-            return self._handed_back(drafts)
+            return drafts
         states = [self.states[req_ids[r]] for r in rows]
         if self.adaptive:
-            ks = self._choose(scheduler_output, req_ids, rows, states, budgets, sampled_token_ids)
+            ks = self._choose(
+                runner, scheduler_output, req_ids, rows, states, budgets, sampled_token_ids
+            )
             keep = [i for i, k in enumerate(ks) if k > 0]
             rows, states = [rows[i] for i in keep], [states[i] for i in keep]
             budgets, lengths = [ks[i] for i in keep], [lengths[i] for i in keep]
             if not rows:
-                return self._handed_back(drafts)
+                return drafts
         # Each request's tokens from its first position without page rows to its last token.
         pending = [
             batch.token_ids_cpu[r, s.written : n].tolist()
@@ -245,12 +246,13 @@ class MoAVllmProposer:
                 for row, n in zip(rows, lengths, strict=True):
                     toks = batch.token_ids_cpu[row, :n].tolist()
                     f.write(json.dumps({"tokens": toks, "drafts": drafts[row]}) + "\n")
-        return self._handed_back(drafts)
+        return drafts
 
     # -- adaptive speculation ------------------------------------------------------------------
 
     def _choose(
         self,
+        runner: Any,
         scheduler_output: Any,
         req_ids: list[str],
         rows: list[int],
@@ -258,13 +260,13 @@ class MoAVllmProposer:
         budgets: list[int],
         sampled_token_ids: list[list[int]],
     ) -> list[int]:
-        """Record the step just verified (its time and tokens; each request's accepted drafts),
-        then choose how many tokens each request drafts now."""
-        now = time.perf_counter()
-        if self._last_return is not None:
-            tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
-            if tokens > 0:
-                self.costs.observe_verify(tokens, now - self._last_return)
+        """Record the step just verified (the target's time for its tokens, from the runner's
+        execute_model to here; each request's accepted drafts), then choose how many tokens
+        each request drafts now."""
+        started = getattr(runner, "_vllm_moa_step_start", None)
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
+        if started is not None and tokens > 0:
+            self.costs.observe_verify(tokens, time.perf_counter() - started)
         verified = scheduler_output.scheduled_spec_decode_tokens
         for row, state in zip(rows, states, strict=True):
             if state.tracker is None:
@@ -295,10 +297,6 @@ class MoAVllmProposer:
                 1e3 * self.costs.draft_step, 1e3 * self.costs.base, 1e3 * self.costs.per_token,
             )  # fmt: skip
         return ks
-
-    def _handed_back(self, drafts: list[list[int]]) -> list[list[int]]:
-        self._last_return = time.perf_counter()
-        return drafts
 
     def _read_layer_kv(
         self, runner: Any, block_ids: list[tuple[list[int], ...]], spans: list[tuple[int, int]]
