@@ -264,10 +264,14 @@ class MoAVllmProposer:
         execute_model to here; each request's accepted drafts), then choose how many tokens
         each request drafts now."""
         started = getattr(runner, "_vllm_moa_step_start", None)
-        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0))
-        if started is not None and tokens > 0:
-            self.costs.observe_verify(tokens, time.perf_counter() - started)
         verified = scheduler_output.scheduled_spec_decode_tokens
+        tokens = int(scheduler_output.total_num_scheduled_tokens)
+        decode_only = tokens == len(scheduler_output.num_scheduled_tokens) + sum(
+            len(v) for v in verified.values()
+        )
+        if started is not None and tokens > 0 and decode_only:
+            # Decode steps only: a prompt chunk's per-token cost is not a draft's.
+            self.costs.observe_verify(tokens, time.perf_counter() - started)
         for row, state in zip(rows, states, strict=True):
             if state.tracker is None:
                 state.tracker = AcceptanceTracker(self.num_speculative_tokens, self.prior)
