@@ -15,6 +15,12 @@ from vllm_moa.decoding.adaptive import AcceptanceTracker, StepCosts, choose_leng
 K = 4
 
 
+@pytest.fixture(autouse=True)
+def adaptive_allowed(monkeypatch):
+    """tests/conftest.py sets VLLM_MOA_ADAPTIVE=0 (fixed K) for the other tests."""
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
+
+
 def costs(base=1.0, per_token=0.02, draft_step=0.1, spread=True) -> StepCosts:
     """Costs observed from steps of several sizes (so the per-token cost is identified)."""
     c = StepCosts(forget=0.2)
@@ -151,19 +157,16 @@ def test_engine_keeps_k_for_a_drafter_that_always_matches(llama_target):
     assert hist[K] >= sum(hist) - 2, hist  # K every cycle but the last ones (no room)
 
 
-def test_adaptive_by_default_and_fixed_k_when_off(llama_target, monkeypatch):
+def test_fixed_k_by_default_and_when_turned_off(llama_target, monkeypatch):
+    """The standalone engine adapts only when asked (adaptive=True), and VLLM_MOA_ADAPTIVE=0
+    overrides even that."""
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
     proposer = MoAProposer(make_drafter(llama_target, seed=5), llama_target)
-    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")  # the default (tests set 0: tests/conftest.py)
-    hist = (
-        SpeculativeEngine(llama_target, proposer)
-        .generate(PROMPT, 40, num_speculative_tokens=K)
-        .stats.draft_length_histogram
-    )
-    assert hist[0] > sum(hist) // 2, hist
-    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "0")
-    hist = (
-        SpeculativeEngine(llama_target, proposer)
-        .generate(PROMPT, 40, num_speculative_tokens=K)
-        .stats.draft_length_histogram
-    )
-    assert hist[K] >= sum(hist) - K, hist  # K but in the last cycles (no room)
+    engine = SpeculativeEngine(llama_target, proposer)
+    adaptive = engine.generate(PROMPT, 40, num_speculative_tokens=K, adaptive=True)
+    assert adaptive.stats.draft_length_histogram[0] > 20
+    for kwargs, env in (({}, "1"), ({"adaptive": True}, "0")):
+        monkeypatch.setenv("VLLM_MOA_ADAPTIVE", env)
+        hist = engine.generate(PROMPT, 40, num_speculative_tokens=K, **kwargs)
+        hist = hist.stats.draft_length_histogram
+        assert hist[K] >= sum(hist) - K, hist  # K but in the last cycles (no room)

@@ -147,8 +147,9 @@ class CoinCosts(StepCosts):
     ],
 )
 def test_speculative_sampling_preserves_the_target_distribution(
-    small_vocab_target, params, verifier, lossless, adaptive
+    small_vocab_target, params, verifier, lossless, adaptive, monkeypatch
 ):
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1" if adaptive else "0")
     target = small_vocab_target
     exact = _exact_joint(target, params)
     # Tokens 2..NEW are the ones speculation produces; test their joint law (64 cells).
