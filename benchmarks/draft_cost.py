@@ -30,6 +30,7 @@ from typing import Any
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+os.environ.setdefault("VLLM_MOA_ADAPTIVE", "0")  # drafting cost at the fixed K
 
 PROPOSE_SECONDS = [0.0]  # time in the runner's propose_draft_token_ids since the last reset
 

@@ -86,22 +86,26 @@ def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise ValueError(f"cannot read {path}: corrupt or not a safetensors file ({e})") from None
 
 
-def load_checked(drafter: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
-    """Load `state` into `drafter`, naming missing/unexpected keys and wrong shapes."""
-    expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
+def check_tensors(
+    expected: dict[str, tuple[int, ...]], stored: dict[str, tuple[int, ...]], source: str
+) -> None:
+    """Raise naming missing / unexpected tensor names and wrong shapes of `source`."""
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
     if missing or unexpected:
         raise ValueError(
             f"{source} does not match its config: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(
-                f"{source}: {name} has shape {tuple(tensor.shape)}, config implies "
-                f"{tuple(expected[name].shape)}"
-            )
+    for name, shape in stored.items():
+        if shape != expected[name]:
+            raise ValueError(f"{source}: {name} has shape {shape}, config implies {expected[name]}")
+
+
+def load_checked(drafter: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Load `state` into `drafter`, naming missing/unexpected keys and wrong shapes."""
+    shapes = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
+    check_tensors(shapes, {name: tuple(t.shape) for name, t in state.items()}, source)
     drafter.load_state_dict(state)
 
 

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import torch
 
-from vllm_moa.checkpoint.io import CONFIG_NAME, DRAFTER_KINDS, WEIGHTS_NAME, load_config
+from vllm_moa.checkpoint.io import (
+    CONFIG_NAME,
+    DRAFTER_KINDS,
+    WEIGHTS_NAME,
+    check_tensors,
+    load_config,
+)
 from vllm_moa.model.config import DrafterConfig, TargetShape
 
 TRAIN_CONFIG_NAME = "train_config.json"  # written by `vllm-moa train` beside its drafter/
@@ -82,20 +88,12 @@ def check_weights_file(path: Path, config: DrafterConfig) -> None:
             f"{file} is truncated or not a safetensors file ({e}); copy it again or re-save "
             "the drafter"
         ) from None
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(stored))
-    unexpected = sorted(set(stored) - set(expected))
-    if missing or unexpected:
+    try:
+        check_tensors(expected_shapes(config), stored, str(file))
+    except ValueError as e:
         raise DrafterCheckError(
-            f"{file} does not match its {CONFIG_NAME}: missing {missing[:4]}, unexpected "
-            f"{unexpected[:4]}; the config and weights come from different drafters"
-        )
-    for name, shape in stored.items():
-        if shape != expected[name]:
-            raise DrafterCheckError(
-                f"{file}: {name} has shape {shape} but {CONFIG_NAME} implies {expected[name]}; "
-                "the config and weights come from different drafters"
-            )
+            f"{e}; the config and weights come from different drafters"
+        ) from None
 
 
 def trained_chain_range(path: str | Path) -> tuple[int, int] | None:

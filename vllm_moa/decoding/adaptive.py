@@ -20,9 +20,8 @@ Two online estimates feed one rule.
 over k_r <= budget_r: for every candidate number of draft steps m in 0..K, each request takes
 the drafts whose expected extra tokens beat their verify cost at the current goodput, up to m;
 the best m wins. Plain decoding (m = 0) is one of the candidates, so a drafter that never
-matches, or a load where extra verify tokens cost more than they return, ends at K = 0. Every
-PROBE_EVERY steps the requests at 0 draft one token, so that a change (another kind of text,
-a lighter load) is noticed. The
+matches, or a load where extra verify tokens cost more than they return, ends at K = 0; then
+`Probes` has every request draft one token now and then, so that a change is noticed. The
 choice only decides how many tokens are drafted; verification is unchanged, so outputs are
 exactly those of static speculation (and of plain decoding, greedy).
 
@@ -151,24 +150,40 @@ class StepCosts:
 
 
 def choose_lengths(
-    trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts, probe: bool = False
+    trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts
 ) -> list[int]:
     """Drafts per request (0..budget) maximising expected tokens per second; see the module
-    docstring. Before the costs are known, every request drafts its budget (static K).
-    `probe`: requests the rule leaves at 0 draft one token anyway (the caller probes now and
-    then, all requests in the same step, so that a drafter, or a load, that has changed is
-    noticed; the cost is one draft step in every PROBE_EVERY)."""
+    docstring. Before the costs are known, every request drafts its budget (static K)."""
     if not trackers:
         return []
     if not costs.known:
         return list(budgets)
-    ks = _best_lengths(trackers, budgets, costs)
-    if probe:
-        ks = [max(k, min(1, b)) for k, b in zip(ks, budgets, strict=True)]
-    return ks
+    return _best_lengths(trackers, budgets, costs)
 
 
-PROBE_EVERY = 32  # steps between probes
+PROBE_EVERY = 32  # steps between probes, at first
+
+
+@dataclass
+class Probes:
+    """While the rule drafts nothing at all, every `every` steps each request drafts one token
+    anyway, so that a change (other text, a lighter load) is noticed; the interval doubles (up
+    to 16x) while probes change nothing and resets once the rule drafts again."""
+
+    every: int = PROBE_EVERY
+    steps: int = 0
+    due: int = PROBE_EVERY
+
+    def apply(self, ks: list[int], budgets: list[int]) -> list[int]:
+        self.steps += 1
+        if any(ks):
+            self.every = PROBE_EVERY
+            return ks
+        if self.steps < self.due:
+            return ks
+        self.due = self.steps + self.every
+        self.every = min(2 * self.every, 16 * PROBE_EVERY)
+        return [min(1, b) for b in budgets]
 
 
 def _best_lengths(

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from vllm_moa.decoding.adaptive import (
-    PROBE_EVERY,
     AcceptancePrior,
     AcceptanceTracker,
+    Probes,
     StepCosts,
     adaptive_enabled,
     choose_lengths,
@@ -125,7 +125,7 @@ class SpeculativeEngine:
         hidden_layers = proposer.hidden_layers if proposer is not None else ()
         eos = set(eos_token_ids)
         adaptive = bool(adaptive) and adaptive_enabled() and proposer is not None and tree is None
-        costs = self.step_costs
+        costs, probes = self.step_costs, Probes()
         tracker = AcceptanceTracker(k_max, self._priors.setdefault(k_max, AcceptancePrior(k_max)))
         t0 = time.perf_counter()
 
@@ -145,8 +145,7 @@ class SpeculativeEngine:
             if k >= 1 and tree is not None:
                 new = self._speculate_tree(last, position, k, tree, params, gen, stats)
             elif k >= 1 and adaptive:
-                probe = stats.num_cycles % PROBE_EVERY == PROBE_EVERY - 1
-                k = choose_lengths([tracker], [k], costs, probe)[0]
+                k = probes.apply(choose_lengths([tracker], [k], costs), [k])[0]
                 new = self._speculate(last, position, k, params, gen, stats, costs)
                 tracker.observe(k, len(new) - 1)
             elif k >= 1 and proposer is not None:

@@ -25,7 +25,7 @@ new blocks) or a reused request id gets its rows rewritten from position 0.
 
 How many tokens each request drafts is chosen per step (decoding/adaptive.py, unless
 VLLM_MOA_ADAPTIVE=0): from its acceptance so far and the measured costs of a draft step and of
-the target's step (the time between two proposer calls, against the tokens it scheduled). A
+the target's decode step (from the runner's execute_model to the proposer). A
 request given 0 drafts costs nothing that step: its rows are written when it next drafts.
 """
 
@@ -43,9 +43,9 @@ import torch
 
 from vllm_moa.checkpoint.io import load_drafter
 from vllm_moa.decoding.adaptive import (
-    PROBE_EVERY,
     AcceptancePrior,
     AcceptanceTracker,
+    Probes,
     StepCosts,
     adaptive_enabled,
     choose_lengths,
@@ -115,8 +115,7 @@ class MoAVllmProposer:
         self.adaptive = adaptive_enabled()
         self.prior = AcceptancePrior(self.num_speculative_tokens)
         self.costs = StepCosts()
-        self.calls = 0
-        self.probe_every, self._next_probe = PROBE_EVERY, PROBE_EVERY  # backs off while futile
+        self.probes = Probes()  # a probe also writes every row skipped since a request drafted
         self.chosen = [0] * (self.num_speculative_tokens + 1)  # request-steps by drafts chosen
         self._chosen_logged = time.monotonic()
 
@@ -277,17 +276,8 @@ class MoAVllmProposer:
                 state.tracker = AcceptanceTracker(self.num_speculative_tokens, self.prior)
             drafted = len(verified.get(req_ids[row], ()))
             state.tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
-        self.calls += 1
         trackers = [s.tracker for s in states if s.tracker is not None]
-        ks = choose_lengths(trackers, budgets, self.costs)
-        if any(ks):
-            self.probe_every = PROBE_EVERY
-        elif self.calls >= self._next_probe:
-            # Nobody drafts: probe with one draft each, less often while probes change nothing
-            # (a probe also writes every row skipped since the last drafting step).
-            ks = [min(1, b) for b in budgets]
-            self._next_probe = self.calls + self.probe_every
-            self.probe_every = min(2 * self.probe_every, 16 * PROBE_EVERY)
+        ks = self.probes.apply(choose_lengths(trackers, budgets, self.costs), budgets)
         for k in ks:
             self.chosen[k] += 1
         if time.monotonic() - self._chosen_logged > 30.0:
