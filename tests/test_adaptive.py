@@ -7,10 +7,17 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from conftest import OracleMoAProposer, make_drafter
 
 from vllm_moa.decoding import MoAProposer, SpeculativeEngine
-from vllm_moa.decoding.adaptive import AcceptanceTracker, StepCosts, choose_lengths
+from vllm_moa.decoding.adaptive import (
+    PROBE_EVERY,
+    AcceptanceTracker,
+    Probes,
+    StepCosts,
+    choose_lengths,
+)
 
 K = 4
 
@@ -36,6 +43,30 @@ def test_cost_model_recovers_a_linear_step_time():
     assert c.draft_step == pytest.approx(0.3)
     flat = costs(base=2.0, per_token=0.5, spread=False)
     assert flat.per_token == 0.0 and flat.base == pytest.approx(4.5)  # b not identified yet
+
+
+def test_draft_phase_cost_has_a_fixed_part_and_a_per_step_part():
+    c = StepCosts(forget=0.2)
+    assert c.draft_base == 0.0
+    c.observe_draft(4, 0.5 + 4 * 0.1)
+    assert c.draft_base == 0.0 and c.draft_step == pytest.approx(0.9 / 4)  # one size: a ratio
+    for m in (1, 3, 2, 4, 1, 2):
+        c.observe_draft(m, 0.5 + m * 0.1)
+    assert c.draft_base == pytest.approx(0.5) and c.draft_step == pytest.approx(0.1)
+    assert c.step_time(3, 2) == pytest.approx(c.base + c.per_token * 3 + 0.7)
+    assert c.step_time(3, 0) == pytest.approx(c.base + c.per_token * 3)
+
+
+def test_rule_looks_past_a_first_draft_that_does_not_pay_for_the_fixed_cost():
+    """With a draft phase of 1.0 + 0.05 per step on a verify step of 1.0, one good draft does
+    not pay (1.9 tokens for 2.05) but four do (4.4 tokens for 2.2)."""
+    c = StepCosts()
+    c.observe_verify(1, 1.0)
+    for m in (1, 4, 2, 3):
+        c.observe_draft(m, 1.0 + 0.05 * m)
+    t = AcceptanceTracker(K)
+    t.alpha = [0.9] * K
+    assert choose_lengths([t], [K], c) == [K]
 
 
 def test_tracker_learns_per_position_acceptance():
@@ -103,6 +134,29 @@ def simulate(p: float, policy: str, steps: int = 400, batch: int = 8, seed: int 
     return tokens / time, chosen
 
 
+def test_probes_one_request_the_cheapest_and_back_off():
+    """While nothing drafts, a probe every PROBE_EVERY steps (then 2x, 4x, ...) drafts one token
+    for the request whose catch-up costs least; a step that drafts resets the interval."""
+    probes = Probes()
+    budgets, catch_up = [4, 4, 0, 4], [120, 7, 0, 30]
+    probed = [s for s in range(1, 200) if any(probes.apply([0] * 4, budgets, catch_up))]
+    assert probed == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]
+    assert Probes(due=1).apply([0] * 4, budgets, catch_up) == [0, 1, 0, 0]
+    assert Probes(due=1).apply([0, 0], [0, 3]) == [0, 1]  # no budget, no probe
+    assert probes.apply([0, 2, 0, 0], budgets, catch_up) == [0, 2, 0, 0]
+    assert probes.every == PROBE_EVERY
+
+
+def test_probes_keep_their_cost_within_their_share_of_the_time():
+    """A probe that cost 0.1 s delays the next until it is at most 2% of the time since."""
+    probes = Probes(due=1)
+    assert any(probes.apply([0, 0], [4, 4], now=10.0)) and probes.probing
+    probes.spent(0.1, now=10.0)
+    probes.due = 0  # the step interval has passed: only the time share holds the next probe
+    assert not any(probes.apply([0, 0], [4, 4], now=14.9)) and not probes.probing
+    assert any(probes.apply([0, 0], [4, 4], now=15.1))
+
+
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.6, 0.9])
 def test_closed_loop_never_loses_to_plain_or_static(p):
     """Whatever the acceptance, the adaptive rule's throughput is within 5% of the better of
@@ -157,16 +211,113 @@ def test_engine_keeps_k_for_a_drafter_that_always_matches(llama_target):
     assert hist[K] >= sum(hist) - 2, hist  # K every cycle but the last ones (no room)
 
 
-def test_fixed_k_by_default_and_when_turned_off(llama_target, monkeypatch):
-    """The standalone engine adapts only when asked (adaptive=True), and VLLM_MOA_ADAPTIVE=0
-    overrides even that."""
+def test_adaptive_by_default_fixed_k_when_turned_off(llama_target, monkeypatch):
+    """The standalone engine adapts by default; adaptive=False or VLLM_MOA_ADAPTIVE=0 (which
+    overrides adaptive=True) give the fixed K."""
     monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
     proposer = MoAProposer(make_drafter(llama_target, seed=5), llama_target)
     engine = SpeculativeEngine(llama_target, proposer)
-    adaptive = engine.generate(PROMPT, 40, num_speculative_tokens=K, adaptive=True)
+    adaptive = engine.generate(PROMPT, 40, num_speculative_tokens=K)
     assert adaptive.stats.draft_length_histogram[0] > 20
-    for kwargs, env in (({}, "1"), ({"adaptive": True}, "0")):
+    for kwargs, env in (({"adaptive": False}, "1"), ({"adaptive": True}, "0")):
         monkeypatch.setenv("VLLM_MOA_ADAPTIVE", env)
         hist = engine.generate(PROMPT, 40, num_speculative_tokens=K, **kwargs)
         hist = hist.stats.draft_length_histogram
         assert hist[K] >= sum(hist) - K, hist  # K but in the last cycles (no room)
+
+
+class AlternatingCosts(StepCosts):
+    """Drafting pays after every other engine step only: cycles alternate 0 and K drafts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        super().observe_verify(1, 1.0)
+        super().observe_draft(1, 0.01)
+        self.calls = 0
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        super().observe_verify(tokens, 1.0)
+        self.calls += 1
+        self.draft_step = 0.01 if self.calls % 2 else 10.0
+
+    def observe_draft(self, steps: int, seconds: float) -> None:
+        pass
+
+
+class InStepEngine(SpeculativeEngine):
+    """The reference: a cycle of 0 drafts goes through the proposer (propose 0, accept)."""
+
+    def _plain_step(self, last, params, gen, stats, costs, behind):
+        behind.flush()  # the prompt, if no cycle drafted yet
+        token = self._speculate(last, self.target.seq_len, 0, params, gen, stats)[0]
+        costs.observe_verify(1, 0.0)
+        return token
+
+
+def _proposer(kind, target):
+    from vllm_moa.decoding import make_proposer
+    from vllm_moa.model import TargetInfo
+    from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+    from vllm_moa.model.presets import make_eagle_config, make_independent_config
+
+    if kind.startswith("moa"):
+        return OracleMoAProposer(make_drafter(target, tli=int(kind[-1]), seed=3), target)
+    info = TargetInfo(target.shape, target.config.num_attention_heads)
+    make = {"eagle": (EagleDrafter, make_eagle_config)}.get(
+        kind, (IndependentDrafter, make_independent_config)
+    )
+    drafter = make[0](make[1](info, "small"))
+    drafter.init_weights(3)
+    return make_proposer(drafter.eval(), target)
+
+
+def _catch_up_runs(target, kind, zero_rows=False):
+    """Drafts (tokens, logits) of a deferred and an in-step engine, after checking each run's
+    output equals plain decoding; `zero_rows`: the control, catch-up rows zeroed."""
+    plain = SpeculativeEngine(target).generate(PROMPT, 40).token_ids
+    runs = []
+    for engine_class in (SpeculativeEngine, InStepEngine):
+        proposer = _proposer(kind, target)
+        drafts: list[tuple[list[int], torch.Tensor]] = []
+        original, original_catch_up = proposer.propose, proposer.catch_up
+
+        def propose(last, k, params, gen, original=original, drafts=drafts):
+            proposal = original(last, k, params, gen)
+            if k:
+                drafts.append((proposal.tokens, proposal.logits))
+            return proposal
+
+        def catch_up(tokens, rows, original=original_catch_up):
+            rows.layer_kv = rows.layer_kv * 0
+            rows.hidden_states = {k: v * 0 for k, v in rows.hidden_states.items()}
+            original(tokens, rows)
+
+        proposer.propose = propose
+        if zero_rows:
+            proposer.catch_up = catch_up
+        engine = engine_class(target, proposer, step_costs=AlternatingCosts())
+        result = engine.generate(PROMPT, 40, num_speculative_tokens=K)
+        assert result.token_ids == plain
+        hist = result.stats.draft_length_histogram
+        assert hist[0] >= 4 and hist[K] >= 4, hist  # both kinds of cycle, interleaved
+        runs.append(drafts)
+    return runs
+
+
+@pytest.mark.parametrize("kind", ["moa_tli0", "moa_tli1", "eagle", "independent"])
+def test_catch_up_drafts_what_a_proposer_kept_in_step_drafts(llama_target, kind, monkeypatch):
+    """Plain cycles leave the proposer behind and `catch_up` hands their rows over at the next
+    drafting cycle: every draft equals the one of a proposer run through each plain cycle, and
+    the output equals plain decoding. Control: zeroed catch-up rows change the drafts."""
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
+    caught_up, in_step = _catch_up_runs(llama_target, kind)
+    assert [t for t, _ in caught_up] == [t for t, _ in in_step]
+    # The same logits, up to float32 rounding: catch-up runs its rows through LSA together.
+    for (_, a), (_, b) in zip(caught_up, in_step, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    if kind != "independent":  # it reads no target rows
+        broken, in_step = _catch_up_runs(llama_target, kind, zero_rows=True)
+        assert any(
+            not torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+            for (_, a), (_, b) in zip(broken, in_step, strict=False)
+        )

@@ -8,20 +8,21 @@ Two online estimates feed one rule.
   expected tokens a step emits with k drafts is E(k) = 1 + sum_{i<k} prod_{j<=i} alpha[j].
   A new request starts from the engine-wide average (`AcceptancePrior`, over all requests),
   and a request's estimates drift back to it while the request does not draft.
-- `StepCosts` (one per engine): the verify step's time as a + b * n for n tokens in it (least
-  squares over recent steps, exponentially forgotten; b >= 0, and 0 until the steps seen vary
-  enough in n to tell), and d, one draft step's time (all requests draft together, so a step
-  costs d whether one request drafts or all).
+- `StepCosts` (one per engine): the verify step's time as a + b * n for n tokens in it, and the
+  draft phase's as c + d * m for m draft steps (least squares over recent steps, exponentially
+  forgotten; all requests draft together, so a step costs c + d * m whether one request
+  drafts m tokens or all do).
 
 `choose_lengths` then maximises the batch's goodput, expected tokens per second,
 
-    G(k_1..k_B) = sum_r E_r(k_r) / (a + b * sum_r (1 + k_r) + d * max_r k_r),
+    G(k_1..k_B) = sum_r E_r(k_r) / (a + b * sum_r (1 + k_r) + [m > 0] (c + d * m)),
+    m = max_r k_r,
 
 over k_r <= budget_r: for every candidate number of draft steps m in 0..K, each request takes
 the drafts whose expected extra tokens beat their verify cost at the current goodput, up to m;
 the best m wins. Plain decoding (m = 0) is one of the candidates, so a drafter that never
 matches, or a load where extra verify tokens cost more than they return, ends at K = 0; then
-`Probes` has every request draft one token now and then, so that a change is noticed. The
+`Probes` has one request draft one token now and then, so that a change is noticed. The
 choice only decides how many tokens are drafted; verification is unchanged, so outputs are
 exactly those of static speculation (and of plain decoding, greedy).
 
@@ -32,6 +33,7 @@ a fixed K.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field
 
 ADAPTIVE_ENV = "VLLM_MOA_ADAPTIVE"
@@ -102,16 +104,26 @@ class AcceptanceTracker:
 
 @dataclass
 class StepCosts:
-    """Online step-cost model: verify time a + b * tokens, draft step time d (seconds)."""
+    """Online step-cost model (seconds): the verify step a + b * tokens, the draft phase
+    c + d * steps (everything a step with drafts costs beyond the verify step: for MoA the
+    history rows written, the draft steps, bookkeeping). Both are least-squares lines over
+    recent steps, exponentially forgotten; a slope is 0 (verify) or the mean ratio (draft,
+    with c = 0) until the steps seen vary enough in size to tell."""
 
     forget: float = 0.05  # weight of each new observation in the running moments
-    min_spread: float = 1.0  # tokens: below this std of n, b is not identified (taken as 0)
+    min_spread: float = 0.4  # tokens: below this std of n, b is not identified (taken as 0)
+    min_draft_spread: float = 0.4  # draft steps: below this std of m, c is taken as 0
     _w: float = 0.0
     _n: float = 0.0
     _t: float = 0.0
     _nn: float = 0.0
     _nt: float = 0.0
-    draft_step: float = 0.0
+    _dm: float = 0.0
+    _dt: float = 0.0
+    _dmm: float = 0.0
+    _dmt: float = 0.0
+    draft_base: float = 0.0  # c
+    draft_step: float = 0.0  # d
     _draft_seen: bool = False
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
@@ -125,10 +137,18 @@ class StepCosts:
     def observe_draft(self, steps: int, seconds: float) -> None:
         if steps <= 0:
             return
-        per_step = seconds / steps
         f = self.forget if self._draft_seen else 1.0
-        self.draft_step += f * (per_step - self.draft_step)
         self._draft_seen = True
+        self._dm += f * (steps - self._dm)
+        self._dt += f * (seconds - self._dt)
+        self._dmm += f * (steps * steps - self._dmm)
+        self._dmt += f * (steps * seconds - self._dmt)
+        var = self._dmm - self._dm * self._dm
+        slope = (self._dmt - self._dm * self._dt) / var if var >= self.min_draft_spread**2 else -1
+        if slope < 0 or self._dt - slope * self._dm < 0:  # not identified: a ratio, c = 0
+            self.draft_base, self.draft_step = 0.0, self._dt / self._dm
+        else:
+            self.draft_base, self.draft_step = self._dt - slope * self._dm, slope
 
     @property
     def known(self) -> bool:
@@ -146,7 +166,8 @@ class StepCosts:
         return max(self._t - self.per_token * self._n, 0.0)
 
     def step_time(self, tokens: int, draft_steps: int) -> float:
-        return self.base + self.per_token * tokens + self.draft_step * draft_steps
+        draft = self.draft_base + self.draft_step * draft_steps if draft_steps else 0.0
+        return self.base + self.per_token * tokens + draft
 
 
 def choose_lengths(
@@ -166,33 +187,59 @@ PROBE_EVERY = 32  # steps between probes, at first
 
 @dataclass
 class Probes:
-    """While the rule drafts nothing at all, every `every` steps each request drafts one token
-    anyway, so that a change (other text, a lighter load) is noticed; the interval doubles (up
-    to 16x) while probes change nothing and resets once the rule drafts again."""
+    """While the rule drafts nothing at all, now and then one request drafts one token anyway,
+    so that a change (other text, a lighter load) is noticed. The probed request is the one whose
+    probe costs least (`catch_up`: e.g. the history rows a drafter must first write for it, since
+    it last drafted); its acceptance also moves the engine-wide prior, so one request a probe is
+    enough, and a batch never pays every request's catch-up at once. Probes come every `every`
+    steps (doubling up to 16x while they change nothing; reset once the rule drafts again), and
+    never more often than keeps their measured cost (`spent`) within `share` of the time."""
 
     every: int = PROBE_EVERY
     steps: int = 0
     due: int = PROBE_EVERY
+    share: float = 0.02
+    not_before: float = 0.0  # time.perf_counter() before which no probe starts
+    probing: bool = False  # the last `apply` chose a probe
 
-    def apply(self, ks: list[int], budgets: list[int]) -> list[int]:
+    def apply(
+        self,
+        ks: list[int],
+        budgets: list[int],
+        catch_up: list[int] | None = None,
+        now: float | None = None,
+    ) -> list[int]:
         self.steps += 1
+        self.probing = False
         if any(ks):
             self.every = PROBE_EVERY
             return ks
-        if self.steps < self.due:
+        if self.steps < self.due or not any(budgets):
+            return ks
+        if (time.perf_counter() if now is None else now) < self.not_before:
             return ks
         self.due = self.steps + self.every
         self.every = min(2 * self.every, 16 * PROBE_EVERY)
-        return [min(1, b) for b in budgets]
+        self.probing = True
+        cost = catch_up if catch_up is not None else [0] * len(budgets)
+        chosen = min((c, i) for i, (c, b) in enumerate(zip(cost, budgets, strict=True)) if b)[1]
+        return [int(i == chosen) for i in range(len(budgets))]
+
+    def spent(self, seconds: float, now: float | None = None) -> None:
+        """The probe just made cost `seconds` (beyond a plain step): the next one waits until
+        that is at most `share` of the time since."""
+        end = time.perf_counter() if now is None else now
+        self.not_before = end + seconds / self.share
 
 
 def _best_lengths(
     trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts
 ) -> list[int]:
-    """One pass per number of draft steps m = 1, 2, ...: every request takes its leading
+    """One pass per number of draft steps m = 1, 2, ..., K: every request takes its leading
     drafts (up to m) whose expected tokens beat their verify cost at the best goodput so far
-    (a lower bound of the optimum's, so the rule errs towards drafting); stop at the first m
-    that does not improve on m - 1 (acceptance gains only shrink with depth). O(batch * K)."""
+    (a lower bound of the optimum's, so the rule errs towards drafting); the best m wins (a
+    fixed draft-phase cost can make m = 1 lose and m = 3 win, so every m is tried, until no
+    request takes draft m). O(batch * K^2), K small."""
     n_req = len(trackers)
     gains = [t.gains(b) for t, b in zip(trackers, budgets, strict=True)]
     best_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
@@ -205,9 +252,8 @@ def _best_lengths(
             break
         expected = n_req + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
         rate = expected / max(costs.step_time(n_req + sum(ks), deepest), 1e-12)
-        if not rate > best_rate * (1.0 + 1e-9):
-            break
-        best_rate, best_ks = rate, ks
+        if rate > best_rate * (1.0 + 1e-9):
+            best_rate, best_ks = rate, ks
         if deepest < m:  # nobody takes draft m: deeper steps cannot pay either
             break
     return best_ks

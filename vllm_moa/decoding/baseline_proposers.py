@@ -19,7 +19,7 @@ def _proposal(
 ) -> DraftProposal:
     return DraftProposal(
         tokens=drafts,
-        logits=torch.stack(logits),
+        logits=torch.stack(logits) if logits else torch.empty(0),
         probs=torch.stack(probs) if probs else None,
     )
 
@@ -95,6 +95,13 @@ class EagleProposer:
         self.tokens.extend([self._last_token, *accepted])
         self._last_token = None
 
+    def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
+        """Plainly decoded tokens and their features; the next draft step runs them."""
+        _check_catch_up(self._last_token, tokens, verified)
+        new = verified.hidden_states[self.target.shape.num_layers]
+        self.features = torch.cat([self.features, new])
+        self.tokens.extend(tokens)
+
 
 class IndependentProposer:
     """A small LM drafting on its own; its KV stays valid wherever the drafts were accepted."""
@@ -157,3 +164,18 @@ class IndependentProposer:
         self.tokens.extend([self._last_token, *accepted])
         self.cache.crop(len(self.tokens))  # drop K/V of rejected drafts
         self._last_token = None
+
+    def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
+        """Plainly decoded tokens; the next draft step runs them through the drafter."""
+        _check_catch_up(self._last_token, tokens, verified)
+        self.tokens.extend(tokens)
+
+
+def _check_catch_up(last_token: int | None, tokens: list[int], verified: TargetOutput) -> None:
+    if last_token is not None:
+        raise RuntimeError("catch_up() called between propose() and accept()")
+    if verified.logits.shape[0] != len(tokens):
+        raise ValueError(
+            f"catch_up() needs one verified row per token: {len(tokens)} tokens, "
+            f"{verified.logits.shape[0]} rows"
+        )

@@ -1,10 +1,10 @@
 """The standalone speculative engine: chain drafting, lossless verification, one sequence.
 
-Without a proposer the same loop is plain autoregressive decoding, the baseline. With one and
-`adaptive=True`, the chain length of each cycle adapts to the measured acceptance and costs
-(decoding/adaptive.py); a cycle of 0 drafts is a plain target step that keeps the proposer's
-state in step. Off by default here (measured on the CPU testbed pair: 0.80x plain adaptive
-against 1.01x at the fixed K, while vLLM's adaptive path is on by default; see issue 25).
+Without a proposer the same loop is plain autoregressive decoding, the baseline. With one, the
+chain length of each cycle adapts to the measured acceptance and costs (decoding/adaptive.py;
+on by default, `adaptive=False` or VLLM_MOA_ADAPTIVE=0 for the fixed K). A cycle of 0 drafts is
+a plain target step that leaves the proposer alone: its rows are handed over (`catch_up`) when
+the engine next drafts, so a drafter that does not pay costs next to nothing.
 """
 
 from __future__ import annotations
@@ -57,6 +57,43 @@ def _rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
     )
 
 
+@dataclass
+class Backlog:
+    """Target rows the proposer has not seen yet: the prompt's, until the first drafting cycle
+    (`start`), then those of the cycles decoded without drafts (`catch_up`). A drafter that
+    never drafts never pays for them."""
+
+    proposer: Proposer
+    tokens: list[int]
+    rows: list[TargetOutput]
+    started: bool = False
+
+    def add(self, token: int, row: TargetOutput) -> None:
+        self.tokens.append(token)
+        self.rows.append(row)
+
+    def flush(self) -> None:
+        if self.started and not self.tokens:
+            return
+        rows = self.rows[0] if len(self.rows) == 1 else _concat(self.rows)
+        if self.started:
+            self.proposer.catch_up(self.tokens, rows)
+        else:
+            self.proposer.start(self.tokens, rows)
+            self.started = True
+        self.tokens, self.rows = [], []
+
+
+def _concat(outs: list[TargetOutput]) -> TargetOutput:
+    return TargetOutput(
+        logits=torch.cat([o.logits for o in outs]),
+        layer_kv=torch.cat([o.layer_kv for o in outs]),
+        hidden_states={
+            k: torch.cat([o.hidden_states[k] for o in outs]) for k in outs[0].hidden_states
+        },
+    )
+
+
 class SpeculativeEngine:
     def __init__(
         self,
@@ -103,11 +140,11 @@ class SpeculativeEngine:
         eos_token_ids: Sequence[int] = (),
         seed: int | None = None,
         tree: TreeParams | None = None,
-        adaptive: bool | None = None,
+        adaptive: bool = True,
     ) -> GenerationResult:
-        """Chain drafting of num_speculative_tokens (up to it, chosen per cycle, when `adaptive`;
-        None: off, see the module docstring), or EAGLE-2 trees when `tree` is given (its depth
-        then plays the part of K; trees are not adapted)."""
+        """Chain drafting of up to num_speculative_tokens, the length chosen per cycle
+        (`adaptive`, unless VLLM_MOA_ADAPTIVE=0; else always K), or EAGLE-2 trees when `tree` is
+        given (its depth then plays the part of K; trees are not adapted)."""
         params = params or SamplingParams()
         if tree is not None:
             if not isinstance(self.proposer, TreeProposer):
@@ -124,7 +161,7 @@ class SpeculativeEngine:
         stats = GenerationStats(k_max)
         hidden_layers = proposer.hidden_layers if proposer is not None else ()
         eos = set(eos_token_ids)
-        adaptive = bool(adaptive) and adaptive_enabled() and proposer is not None and tree is None
+        adaptive = adaptive and adaptive_enabled() and proposer is not None and tree is None
         costs, probes = self.step_costs, Probes()
         tracker = AcceptanceTracker(k_max, self._priors.setdefault(k_max, AcceptancePrior(k_max)))
         t0 = time.perf_counter()
@@ -134,40 +171,61 @@ class SpeculativeEngine:
         out = target.forward(torch.tensor(prompt), hidden_layers)
         stats.num_target_calls += 1
         generated = [choose_token(out.logits[-1], params, gen)[0]]
-        if proposer is not None:
-            proposer.start(prompt, out)
+        # The proposer sees the prompt (start) and plain cycles (catch_up) when it next drafts.
+        behind = Backlog(proposer, list(prompt), [out]) if proposer is not None else None
         finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
-        plain_step = False
         while finish is None:
             last = generated[-1]
             position = len(prompt) + len(generated) - 1  # of `last`, not yet run by the target
             k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
-            if k >= 1 and tree is not None:
-                new = self._speculate_tree(last, position, k, tree, params, gen, stats)
-            elif k >= 1 and adaptive:
+            if adaptive and k >= 1:
                 k = probes.apply(choose_lengths([tracker], [k], costs), [k])[0]
-                new = self._speculate(last, position, k, params, gen, stats, costs)
+            if k >= 1 and behind is not None:
+                began = time.perf_counter()
+                behind.flush()
+                caught_up = time.perf_counter() - began
+                if tree is not None:
+                    new = self._speculate_tree(last, position, k, tree, params, gen, stats)
+                else:
+                    timed = costs if adaptive else None
+                    new = self._speculate(last, position, k, params, gen, stats, timed)
+                if probes.probing:
+                    probes.spent(caught_up + costs.step_time(0, k) - costs.base)
+            else:  # plain decoding, a cycle of 0 drafts, or the last token (no room to draft)
+                new = [self._plain_step(last, params, gen, stats, costs, behind)]
+            if adaptive:
                 tracker.observe(k, len(new) - 1)
-            elif k >= 1 and proposer is not None:
-                new = self._speculate(last, position, k, params, gen, stats)
-            else:  # plain decoding, or the final token where no draft can fit
-                out = target.forward(torch.tensor([last]), hidden_layers)
-                stats.record_cycle(0, 0)
-                new = [choose_token(out.logits[-1], params, gen)[0]]
-                plain_step = proposer is not None  # leaves the proposer behind: must be last
             for token in new:
                 generated.append(token)
                 finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
                 if finish is not None:
                     break
-            if finish is None and plain_step:
-                raise RuntimeError("internal: a plain step with a proposer must be the last one")
 
         if target.device.type == "cuda":
             torch.cuda.synchronize()
         stats.wall_time_s = time.perf_counter() - t0
         stats.num_generated_tokens = len(generated)
         return GenerationResult(token_ids=generated, finish_reason=finish, stats=stats)
+
+    def _plain_step(
+        self,
+        last: int,
+        params: SamplingParams,
+        gen: torch.Generator,
+        stats: GenerationStats,
+        costs: StepCosts,
+        behind: Backlog | None,
+    ) -> int:
+        """One target step without drafts; its row waits in `behind` for the proposer."""
+        started = time.perf_counter()
+        hidden_layers = self.proposer.hidden_layers if self.proposer is not None else ()
+        out = self.target.forward(torch.tensor([last]), hidden_layers)
+        token = choose_token(out.logits[-1], params, gen)[0]
+        stats.record_cycle(0, 0)
+        if behind is not None:
+            costs.observe_verify(1, time.perf_counter() - started)
+            behind.add(last, out)
+        return token
 
     def _speculate(
         self,
@@ -180,7 +238,8 @@ class SpeculativeEngine:
         costs: StepCosts | None = None,
     ) -> list[int]:
         """One draft + verify cycle from `last` at `position` (k = 0: a plain step through the
-        proposer); returns the emitted tokens. `costs`: record the draft and verify times."""
+        proposer); returns the emitted tokens. `costs`: record the verify time and the draft
+        phase's (drafting, and the proposer's bookkeeping of the verified tokens)."""
         assert self.proposer is not None
         started = time.perf_counter()
         proposal = self.proposer.propose(last, k, params, gen)
@@ -197,11 +256,12 @@ class SpeculativeEngine:
             target_probs = probabilities(out.logits, params)
             verdict = self.rejection_verifier(proposal.tokens, proposal.probs, target_probs, gen)
         a = verdict.num_accepted
-        if costs is not None:  # verdict read the target's output: the times are complete
-            costs.observe_draft(k, drafted - started)
-            costs.observe_verify(k + 1, time.perf_counter() - drafted)
+        verified = time.perf_counter()  # the verdict read the target's output: it is complete
         self.target.crop(position + a + 1)
         self.proposer.accept(proposal.tokens[:a], _rows(out, list(range(a + 1))))
+        if costs is not None:
+            costs.observe_verify(k + 1, verified - drafted)
+            costs.observe_draft(k, drafted - started + time.perf_counter() - verified)
         stats.record_cycle(k, a)
         return [*proposal.tokens[:a], verdict.next_token]
 

@@ -130,6 +130,19 @@ class MoAProposer:
         self._end_draft(p, last_token)
         return tree
 
+    def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
+        """Plainly decoded tokens: their memory rows in one LSA pass; their SA K/V is computed
+        when the next draft step reaches them, as for every verified token."""
+        if self._last_token is not None or len(self.tokens) != self.verified_len:
+            raise RuntimeError("catch_up() called between propose() and accept()")
+        if verified.layer_kv.shape[0] != len(tokens):
+            raise ValueError(
+                f"catch_up() needs one verified row per token: {len(tokens)} tokens, "
+                f"{verified.layer_kv.shape[0]} rows"
+            )
+        self._extend_memory(verified)
+        self.tokens.extend(tokens)
+
     def _check_sync(self) -> int:
         """The verified length p, after checking tokens, memory and target cache agree."""
         p = self.verified_len

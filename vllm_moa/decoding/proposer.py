@@ -24,7 +24,8 @@ class Proposer(Protocol):
 
     Protocol: `start` after the prefill; then per cycle `propose` K drafts after the last token,
     the target verifies them, and `accept` reports the accepted drafts with the target's output
-    rows for the kept positions (the proposer's last token plus the accepted drafts).
+    rows for the kept positions (the proposer's last token plus the accepted drafts). Cycles
+    the engine decodes plainly are handed over later, together, by `catch_up`.
     """
 
     hidden_layers: tuple[int, ...]  # target hidden states the proposer needs in TargetOutput
@@ -40,6 +41,13 @@ class Proposer(Protocol):
     ) -> DraftProposal: ...
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None: ...
+
+    def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
+        """Tokens the engine decoded without drafting (each the last token of a plain target
+        step, in order), with the target's rows for them: the state becomes what
+        `propose(t, 0)` + `accept([], row)` for each would have made it, in one go (adaptive
+        speculation skips the proposer while it drafts nothing)."""
+        ...
 
 
 @runtime_checkable

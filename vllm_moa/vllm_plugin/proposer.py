@@ -111,11 +111,12 @@ class MoAVllmProposer:
         self._where: dict[str, tuple[int, int]] | None = None  # layer name: group, block size
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
         self._stores: dict[str, PagedKV] | None = None  # SA and memory pages
+        self._bound = False  # the KV caches are bound (after vLLM's profiling run)
         # Adaptive speculation (decoding/adaptive.py): acceptance prior, costs, chosen lengths.
         self.adaptive = adaptive_enabled()
         self.prior = AcceptancePrior(self.num_speculative_tokens)
         self.costs = StepCosts()
-        self.probes = Probes()  # a probe also writes every row skipped since a request drafted
+        self.probes = Probes()  # a probe first writes every row skipped since the request drafted
         self.chosen = [0] * (self.num_speculative_tokens + 1)  # request-steps by drafts chosen
         self._chosen_logged = time.monotonic()
 
@@ -192,9 +193,7 @@ class MoAVllmProposer:
         drafts: list[list[int]] = [[] for _ in req_ids]
         if self.drafter is None or self.target is None or self.pages is None:
             return drafts
-        if not self.pages.bound or any(
-            a.kv_cache is None or a.kv_cache.numel() == 0 for a in self.target.attn_layers
-        ):
+        if not self._cache_bound():
             return drafts  # profiling run: no cache bound yet
         rows: list[int] = []
         budgets: list[int] = []
@@ -220,7 +219,7 @@ class MoAVllmProposer:
         states = [self.states[req_ids[r]] for r in rows]
         if self.adaptive:
             ks = self._choose(
-                runner, scheduler_output, req_ids, rows, states, budgets, sampled_token_ids
+                runner, scheduler_output, req_ids, rows, states, budgets, lengths, sampled_token_ids
             )
             keep = [i for i, k in enumerate(ks) if k > 0]
             rows, states = [rows[i] for i in keep], [states[i] for i in keep]
@@ -233,10 +232,16 @@ class MoAVllmProposer:
             for r, s, n in zip(rows, states, lengths, strict=True)
         ]
         self._bind_stores(runner)
+        began = time.perf_counter()
         self._write_pages(runner, states, pending)
-        started = time.perf_counter()
         chains = self._draft(runner, rows, states, pending, budgets)
-        self.costs.observe_draft(max(budgets), time.perf_counter() - started)
+        done = time.perf_counter()
+        # The draft phase: rows written for the tokens just verified, then the draft steps. A
+        # step that also wrote the rows a request skipped while not drafting is not typical.
+        if max(len(p) for p in pending) <= self.num_speculative_tokens + 1:
+            self.costs.observe_draft(max(budgets), done - began)
+        if self.adaptive and self.probes.probing:
+            self.probes.spent(done - began, done)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
         trace = os.environ.get(TRACE_ENV)
@@ -246,6 +251,16 @@ class MoAVllmProposer:
                     toks = batch.token_ids_cpu[row, :n].tolist()
                     f.write(json.dumps({"tokens": toks, "drafts": drafts[row]}) + "\n")
         return drafts
+
+    def _cache_bound(self) -> bool:
+        """Whether vLLM has bound the KV caches (not yet during its profiling run); once they
+        are, they stay bound."""
+        if not self._bound:
+            assert self.pages is not None and self.target is not None
+            self._bound = self.pages.bound and all(
+                a.kv_cache is not None and a.kv_cache.numel() > 0 for a in self.target.attn_layers
+            )
+        return self._bound
 
     # -- adaptive speculation ------------------------------------------------------------------
 
@@ -257,6 +272,7 @@ class MoAVllmProposer:
         rows: list[int],
         states: list[RequestState],
         budgets: list[int],
+        lengths: list[int],
         sampled_token_ids: list[list[int]],
     ) -> list[int]:
         """Record the step just verified (the target's time for its tokens, from the runner's
@@ -277,7 +293,10 @@ class MoAVllmProposer:
             drafted = len(verified.get(req_ids[row], ()))
             state.tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
         trackers = [s.tracker for s in states if s.tracker is not None]
-        ks = self.probes.apply(choose_lengths(trackers, budgets, self.costs), budgets)
+        ks = choose_lengths(trackers, budgets, self.costs)
+        # A probe writes the rows its request skipped while it did not draft: probe the cheapest.
+        catch_up = [n - s.written for n, s in zip(lengths, states, strict=True)]
+        ks = self.probes.apply(ks, budgets, catch_up)
         for k in ks:
             self.chosen[k] += 1
         if time.monotonic() - self._chosen_logged > 30.0:
@@ -285,10 +304,11 @@ class MoAVllmProposer:
             total = max(sum(self.chosen), 1)
             logger.info(
                 "MoA adaptive speculation: drafts per request-step %s (0..%d), mean %.2f; "
-                "draft step %.2f ms, target step %.2f ms + %.3f ms per token",
+                "drafting %.2f ms + %.2f ms per step, target step %.2f ms + %.3f ms per token",
                 [round(c / total, 3) for c in self.chosen], self.num_speculative_tokens,
                 sum(k * c for k, c in enumerate(self.chosen)) / total,
-                1e3 * self.costs.draft_step, 1e3 * self.costs.base, 1e3 * self.costs.per_token,
+                1e3 * self.costs.draft_base, 1e3 * self.costs.draft_step,
+                1e3 * self.costs.base, 1e3 * self.costs.per_token,
             )  # fmt: skip
         return ks
 
