@@ -97,6 +97,7 @@ def make_llm(target: Path, drafter: Path | None = None, k: int = 4, method: str 
     spec = None
     if drafter is not None:
         spec = {"method": method, "model": str(drafter), "num_speculative_tokens": k}
+        spec.update(kwargs.pop("spec_keys", {}))
     return LLM(
         model=str(target),
         dtype="float32",

@@ -1,6 +1,6 @@
 """Adaptive speculation inside vLLM: a drafter that never matches stops drafting; the drafts
 that do land are kept when drafting is cheap; outputs equal plain decoding either way; and
-VLLM_MOA_ADAPTIVE=0 restores the fixed K. Drafting is read from vLLM's own spec-decode counters
+VLLM_MOA_ADAPTIVE=0 or the key "moa_adaptive": false restores the fixed K. Drafting is read from vLLM's own spec-decode counters
 (draft tokens per generated token: about K with a fixed K and a useless drafter). A drafter that
 always matches keeping K is tested in the standalone engine (tests/test_adaptive.py), where an
 oracle drafter exists."""
@@ -51,10 +51,10 @@ def random_drafter(moa_pair, tmp_path_factory):
     return save_drafter(drafter, tmp_path_factory.mktemp("random") / "drafter")
 
 
-def drafting(moa_pair, drafter, plain) -> tuple[float, int]:
+def drafting(moa_pair, drafter, plain, **spec_keys) -> tuple[float, int]:
     """(draft tokens per generated token, accepted tokens) for 20 concurrent greedy requests,
     after checking the outputs equal plain decoding."""
-    llm = make_llm(moa_pair["target"], drafter, k=K)
+    llm = make_llm(moa_pair["target"], drafter, k=K, spec_keys=spec_keys)
     got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, greedy(MAX_TOKENS))]
     assert got == plain
     m = spec_metrics(llm)
@@ -84,8 +84,8 @@ def test_drafts_that_land_are_kept_when_drafting_is_cheap(moa_pair, plain, monke
     monkeypatch.setattr(proposer, "StepCosts", cheap_drafts)
     monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
     adaptive, adaptive_accepted = drafting(moa_pair, moa_pair["tli0"], plain)
-    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "0")
-    fixed, fixed_accepted = drafting(moa_pair, moa_pair["tli0"], plain)
+    # The fixed K through the --speculative-config key this time.
+    fixed, fixed_accepted = drafting(moa_pair, moa_pair["tli0"], plain, moa_adaptive=False)
     assert fixed_accepted > 40, "the trained drafter should land some drafts"
     assert adaptive_accepted > 0.6 * fixed_accepted, (adaptive_accepted, fixed_accepted)
     assert adaptive < 0.5 * fixed, (adaptive, fixed)

@@ -46,6 +46,20 @@ def _engine_config(target, spec: dict):
     ).create_engine_config()  # fmt: skip
 
 
+def test_moa_adaptive_key(moa_pair):
+    """`moa_adaptive` is a --speculative-config key of method moa (default true); a typo is
+    refused by vLLM's own validation, and the key on another method is refused by name."""
+    base = {"method": "moa", "model": str(moa_pair["tli0"]), "num_speculative_tokens": 3}
+    assert _engine_config(moa_pair["target"], base).speculative_config.moa_adaptive is True
+    spec = _engine_config(moa_pair["target"], {**base, "moa_adaptive": False}).speculative_config
+    assert spec.moa_adaptive is False and "adaptive=False" in repr(spec)
+    with pytest.raises(Exception, match="moa_adaptiv"):
+        _engine_config(moa_pair["target"], {**base, "moa_adaptiv": False})
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    with pytest.raises(ValueError, match='"moa_adaptive" is a key of speculative method "moa"'):
+        _engine_config(moa_pair["target"], {**ngram, "moa_adaptive": False})
+
+
 def test_method_recognised_from_drafter_config(moa_pair):
     config = _engine_config(moa_pair["target"], {"model": str(moa_pair["tli0"]),
                                                  "num_speculative_tokens": 3})  # fmt: skip

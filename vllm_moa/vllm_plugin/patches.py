@@ -6,7 +6,10 @@ keeps for out-of-tree proposers (`custom_class`): while vLLM validates the specu
 builds the model runner, a `moa` config is shown to it as `custom_class` naming our proposer
 class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six patches:
 
-1. `SpeculativeConfig.method` accepts "moa" (the Literal is extended, the pydantic schema rebuilt).
+1. `SpeculativeConfig.method` accepts "moa" (the Literal is extended), and the config has MoA's
+   own keys (`MOA_KEYS`: `moa_adaptive`, adaptive speculation on or off), as vLLM prefixes
+   other methods' keys (`prompt_lookup_max`, `suffix_decoding_*`); the pydantic schema is
+   rebuilt.
 2. `SpeculativeConfig.__post_init__` recognises a MoA drafter directory when `method` is omitted,
    validates it before any engine starts (parallelism refused first; the drafter's config,
    target shape and weights file header checked against the target, one clear error each; a
@@ -47,6 +50,7 @@ All patches are idempotent; `apply()` refuses any other vLLM version.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import typing
@@ -60,6 +64,16 @@ METHOD = "moa"
 PROPOSER_CLASS_PATH = "vllm_moa.vllm_plugin.proposer.MoAVllmProposer"
 # A child of vLLM's configured "vllm" logger: our lines read like vLLM's, at its log level.
 LOGGER_NAME = "vllm.moa"
+# --speculative-config keys of method "moa": name -> (type, default, help).
+MOA_KEYS: dict[str, tuple[type, Any, str]] = {
+    "moa_adaptive": (
+        bool,
+        True,
+        "choose each request's draft length per step (0..num_speculative_tokens) from its "
+        "acceptance and the measured costs; false: always num_speculative_tokens "
+        "(VLLM_MOA_ADAPTIVE=0 turns it off everywhere)",
+    ),
+}
 
 _applied = False
 
@@ -203,6 +217,13 @@ def _patch_method_literal() -> None:
     method_type = Literal[tuple([*values, METHOD])] | None  # type: ignore[valid-type]
     cls.__dataclass_fields__["method"].type = method_type
     cls.__annotations__["method"] = method_type
+    for name, (tp, default, _) in MOA_KEYS.items():
+        field = dataclasses.field(default=default)
+        field.name, field.type = name, tp
+        field._field_type = dataclasses._FIELD  # type: ignore[attr-defined]
+        cls.__dataclass_fields__[name] = field
+        cls.__annotations__[name] = tp
+        setattr(cls, name, default)
     rebuild_dataclass(cls, force=True)  # type: ignore[arg-type]
 
 
@@ -221,6 +242,11 @@ def _patch_speculative_post_init() -> None:
         if self.method is None and moa_drafter_model_type(self.model) is not None:
             self.method = METHOD
         if self.method != METHOD:
+            for name, (_, default, _) in MOA_KEYS.items():
+                if getattr(self, name, default) != default:
+                    raise ValueError(
+                        f'"{name}" is a key of speculative method "moa", not of {self.method!r}'
+                    )
             original(self)
             return
         check_parallelism(self.target_parallel_config)
@@ -250,7 +276,8 @@ def _patch_speculative_post_init() -> None:
         if self.method != METHOD:
             return original_repr(self)
         method, model, num_spec_tokens = self.method, self.model, self.num_speculative_tokens
-        return f"SpeculativeConfig({method=}, {model=}, {num_spec_tokens=})"
+        adaptive = self.moa_adaptive
+        return f"SpeculativeConfig({method=}, {model=}, {num_spec_tokens=}, {adaptive=})"
 
     SpeculativeConfig.__repr__ = __repr__  # type: ignore[method-assign]
 

@@ -23,10 +23,11 @@ allocation: chunked prefill needs nothing special (rows are written up to whatev
 cache holds when a request next drafts), and a request resumed after preemption (vLLM hands it
 new blocks) or a reused request id gets its rows rewritten from position 0.
 
-How many tokens each request drafts is chosen per step (decoding/adaptive.py, unless
-VLLM_MOA_ADAPTIVE=0): from its acceptance so far and the measured costs of a draft step and of
-the target's decode step (from the runner's execute_model to the proposer). A
-request given 0 drafts costs nothing that step: its rows are written when it next drafts.
+How many tokens each request drafts is chosen per step (decoding/adaptive.py; unless the
+speculative config says "moa_adaptive": false or VLLM_MOA_ADAPTIVE=0): from its acceptance so
+far and the measured costs of the draft phase and of the target's decode step (from the
+runner's execute_model to the proposer). A request given 0 drafts costs nothing that step: its
+rows are written when it next drafts.
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ class MoAVllmProposer:
         self._stores: dict[str, PagedKV] | None = None  # SA and memory pages
         self._bound = False  # the KV caches are bound (after vLLM's profiling run)
         # Adaptive speculation (decoding/adaptive.py): acceptance prior, costs, chosen lengths.
-        self.adaptive = adaptive_enabled()
+        self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
         self.prior = AcceptancePrior(self.num_speculative_tokens)
         self.costs = StepCosts()
         self.probes = Probes()  # a probe first writes every row skipped since the request drafted
