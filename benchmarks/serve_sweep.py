@@ -3,7 +3,8 @@
     python -m benchmarks.serve_sweep --target DIR --moa DIR [DIR ...] [--eagle DIR] \
         --prompts HumanEval.jsonl.gz --rates 0.5 1 2 inf --out benchmarks/results/serve_sweep.json
 
-For each method (plain; each MoA drafter; vLLM's EAGLE on our exported EAGLE drafter) one
+For each method (plain; each MoA drafter, with adaptive speculation length and with the fixed K
+unless `--adaptive on|off`; vLLM's EAGLE on our exported EAGLE drafter) one
 `vllm serve` at a time on a free loopback port, in vLLM's default (compiled) mode; for each
 request rate, `vllm bench serve` (backend vllm, the held-out prompts as a custom dataset,
 `--num-prompts` requests with `--max-tokens` output tokens each, ignore_eos, greedy, Poisson
@@ -133,9 +134,16 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     for i, method in enumerate(methods):
         mine = {r["request_rate"]: r for r in rows if r["method"] == method}
         xs = [j for j, rate in enumerate(labels) if rate in mine]
-        for ax, key in zip(axes, ("output_tokens_per_s", "e2e_latency_p50_ms"), strict=True):
-            ax.plot(xs, [mine[labels[j]][key] for j in xs], "o-", color=f"C{i}", label=method)
-    for ax, title in zip(axes, ("output tokens/s", "end-to-end latency p50 (ms)"), strict=True):
+        axes[0].plot(
+            xs, [mine[labels[j]]["output_tokens_per_s"] for j in xs], "o-", color=f"C{i}",
+            label=method,
+        )  # fmt: skip
+        for key, style in (("e2e_latency_p50_ms", "o-"), ("e2e_latency_p99_ms", "x--")):
+            label = f"{method} {key.split('_')[-2]}"
+            values = [mine[labels[j]][key] for j in xs]
+            axes[1].plot(xs, values, style, color=f"C{i}", label=label)
+    titles = ("output tokens/s", "end-to-end latency p50 (o-) and p99 (x--), ms")
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks(range(len(labels)), labels)
         ax.set_xlabel("request rate (requests/s; inf = all at once)")
         ax.set_title(title)
@@ -160,6 +168,11 @@ def main() -> None:
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument(
+        "--adaptive", default="both", choices=["both", "on", "off"],
+        help="MoA with adaptive speculation length (the default a user gets), with the fixed K "
+        '("moa_adaptive": false; suffix _fixed), or both (one server each)',
+    )  # fmt: skip
     args = p.parse_args()
 
     import vllm
@@ -167,11 +180,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="serve_sweep_"))
     dataset = write_dataset(args.prompts, args.num_prompts, work)
     methods: dict[str, dict[str, Any] | None] = {"plain": None}
+    modes = {"both": [True, False], "on": [True], "off": [False]}[args.adaptive]
     for d in args.moa:
         name = Path(d).name if Path(d).name != "drafter" else Path(d).parent.name
-        methods[name if name.startswith("moa") else f"moa_{name}"] = {
-            "method": "moa", "model": d, "num_speculative_tokens": args.k,
-        }  # fmt: skip
+        name = name if name.startswith("moa") else f"moa_{name}"
+        for adaptive in modes:
+            methods[name + ("" if adaptive else "_fixed")] = {
+                "method": "moa", "model": d, "num_speculative_tokens": args.k,
+                "moa_adaptive": adaptive,
+            }  # fmt: skip
     if args.eagle:
         methods["eagle"] = {
             "method": "eagle",

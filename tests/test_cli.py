@@ -40,7 +40,9 @@ def drafter_dir(tiny_target_dir, tmp_path_factory):
     return str(out)
 
 
-def test_generate_json_plain_and_speculative_agree(capsys, tiny_target_dir, drafter_dir):
+def test_generate_json_plain_and_speculative_agree(
+    capsys, monkeypatch, tiny_target_dir, drafter_dir
+):
     base = [
         "generate",
         "--target",
@@ -69,6 +71,14 @@ def test_generate_json_plain_and_speculative_agree(capsys, tiny_target_dir, draf
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert len(spec["token_ids"]) == 12 and len(spec["accepted_length_histogram"]) == 4
     assert plain["mean_accepted_length"] == 1.0
+    # Adaptive by default (the suite sets VLLM_MOA_ADAPTIVE=0); --no-adaptive: K every cycle.
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
+    drafting = [*base, "--drafter", drafter_dir, "--num-speculative-tokens", "3"]
+    code, out, _ = run_cli(capsys, *drafting, "--no-adaptive")
+    hist = json.loads(out)["draft_length_histogram"]
+    assert hist[3] >= sum(hist) - 3, hist
+    code, out, _ = run_cli(capsys, *drafting)
+    assert json.loads(out)["token_ids"] == plain["token_ids"]
 
 
 def test_generate_sampling_chat_and_prompt_file(capsys, tmp_path, tiny_target_dir, drafter_dir):

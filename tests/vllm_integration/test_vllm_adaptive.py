@@ -1,9 +1,9 @@
 """Adaptive speculation inside vLLM: a drafter that never matches stops drafting; the drafts
 that do land are kept when drafting is cheap; outputs equal plain decoding either way; and
-VLLM_MOA_ADAPTIVE=0 or the key "moa_adaptive": false restores the fixed K. Drafting is read from vLLM's own spec-decode counters
-(draft tokens per generated token: about K with a fixed K and a useless drafter). A drafter that
-always matches keeping K is tested in the standalone engine (tests/test_adaptive.py), where an
-oracle drafter exists."""
+VLLM_MOA_ADAPTIVE=0 or the key "moa_adaptive": false restores the fixed K. Drafting is read
+from vLLM's own spec-decode counters (draft tokens per generated token: about K with a fixed K
+and a useless drafter). A drafter that always matches keeping K is tested in the standalone
+engine (tests/test_adaptive.py), where an oracle drafter exists."""
 
 from __future__ import annotations
 

@@ -69,6 +69,7 @@ def run_generation(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     tree: Any = None,
+    adaptive: bool = True,
 ) -> dict[str, Any]:
     """Load target (+ drafter), generate, and return the CLI's JSON record."""
     from transformers import AutoTokenizer
@@ -104,6 +105,7 @@ def run_generation(
         eos_token_ids=_eos_ids(tokenizer, target.model),
         seed=seed,
         tree=tree,
+        adaptive=adaptive,
     )
     record: dict[str, Any] = {
         "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
@@ -160,6 +162,7 @@ def generate(args: argparse.Namespace) -> int:
         device=device,
         dtype=dtype,
         tree=tree,
+        adaptive=args.adaptive,
     )
     if args.json:
         print(json.dumps(record))

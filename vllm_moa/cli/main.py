@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="K")
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="choose each cycle's draft length (0..K) from acceptance and measured costs "
+        "(default); --no-adaptive: always K",
+    )
     p.add_argument("--tree-depth", type=positive_int, default=None, help="EAGLE-2 tree (6)")
     p.add_argument("--tree-breadth", type=positive_int, default=None, help="top-B per depth (8)")
     p.add_argument("--tree-tokens", type=positive_int, default=None, help="nodes verified (62)")

@@ -232,6 +232,50 @@ class Probes:
         self.not_before = end + seconds / self.share
 
 
+@dataclass
+class AdaptiveLengths:
+    """What adaptive speculation keeps for one engine (standalone or in vLLM): its cost model,
+    the acceptance prior its requests start from, the probes, and how many request-steps chose
+    each length (`chosen[k]`, reported in the stats / logs)."""
+
+    k_max: int
+    costs: StepCosts = field(default_factory=StepCosts)
+    probes: Probes = field(default_factory=Probes)
+    prior: AcceptancePrior | None = None
+    chosen: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prior = self.prior or AcceptancePrior(self.k_max)
+        self.chosen = self.chosen or [0] * (self.k_max + 1)
+
+    def tracker(self) -> AcceptanceTracker:
+        """A new request's tracker, starting from the prior."""
+        return AcceptanceTracker(self.k_max, self.prior)
+
+    def choose(
+        self,
+        trackers: list[AcceptanceTracker],
+        budgets: list[int],
+        catch_up: list[int] | None = None,
+    ) -> list[int]:
+        """Drafts per request this step: the goodput rule, or a probe while it drafts nothing."""
+        ks = self.probes.apply(choose_lengths(trackers, budgets, self.costs), budgets, catch_up)
+        for k in ks:
+            self.chosen[k] += 1
+        return ks
+
+    def summary(self) -> str:
+        total = max(sum(self.chosen), 1)
+        shares = [round(c / total, 3) for c in self.chosen]
+        mean = sum(k * c for k, c in enumerate(self.chosen)) / total
+        c = self.costs
+        return (
+            f"drafts per request-step {shares} (0..{self.k_max}), mean {mean:.2f}; drafting "
+            f"{1e3 * c.draft_base:.2f} ms + {1e3 * c.draft_step:.2f} ms per step, target step "
+            f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token"
+        )
+
+
 def _best_lengths(
     trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts
 ) -> list[int]:

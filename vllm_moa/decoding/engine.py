@@ -15,14 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moa.decoding.adaptive import (
-    AcceptancePrior,
-    AcceptanceTracker,
-    Probes,
-    StepCosts,
-    adaptive_enabled,
-    choose_lengths,
-)
+from vllm_moa.decoding.adaptive import AdaptiveLengths, StepCosts, adaptive_enabled
 from vllm_moa.decoding.proposer import Proposer, TreeProposer, choose_token
 from vllm_moa.decoding.sampling import (
     SamplingParams,
@@ -108,7 +101,7 @@ class SpeculativeEngine:
         self.rejection_verifier = rejection_verifier
         # Adaptive speculation's measurements, kept across requests (injectable for tests).
         self.step_costs = step_costs or StepCosts()
-        self._priors: dict[int, AcceptancePrior] = {}
+        self._lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
 
     def _check_request(
         self, prompt_ids: Sequence[int], max_new_tokens: int, num_speculative_tokens: int
@@ -162,8 +155,9 @@ class SpeculativeEngine:
         hidden_layers = proposer.hidden_layers if proposer is not None else ()
         eos = set(eos_token_ids)
         adaptive = adaptive and adaptive_enabled() and proposer is not None and tree is None
-        costs, probes = self.step_costs, Probes()
-        tracker = AcceptanceTracker(k_max, self._priors.setdefault(k_max, AcceptancePrior(k_max)))
+        costs = self.step_costs
+        lengths = self._lengths.setdefault(k_max, AdaptiveLengths(k_max, costs))
+        probes, tracker = lengths.probes, lengths.tracker()
         t0 = time.perf_counter()
 
         target.reset()
@@ -179,7 +173,7 @@ class SpeculativeEngine:
             position = len(prompt) + len(generated) - 1  # of `last`, not yet run by the target
             k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
             if adaptive and k >= 1:
-                k = probes.apply(choose_lengths([tracker], [k], costs), [k])[0]
+                k = lengths.choose([tracker], [k])[0]
             if k >= 1 and behind is not None:
                 began = time.perf_counter()
                 behind.flush()
@@ -189,7 +183,7 @@ class SpeculativeEngine:
                 else:
                     timed = costs if adaptive else None
                     new = self._speculate(last, position, k, params, gen, stats, timed)
-                if probes.probing:
+                if adaptive and probes.probing:
                     probes.spent(caught_up + costs.step_time(0, k) - costs.base)
             else:  # plain decoding, a cycle of 0 drafts, or the last token (no room to draft)
                 new = [self._plain_step(last, params, gen, stats, costs, behind)]

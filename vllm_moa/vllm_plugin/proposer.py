@@ -44,12 +44,10 @@ import torch
 
 from vllm_moa.checkpoint.io import load_drafter
 from vllm_moa.decoding.adaptive import (
-    AcceptancePrior,
     AcceptanceTracker,
-    Probes,
+    AdaptiveLengths,
     StepCosts,
     adaptive_enabled,
-    choose_lengths,
 )
 from vllm_moa.model.moa import MoADrafter
 from vllm_moa.vllm_plugin.cpu_linear import dispatch_linears
@@ -115,10 +113,7 @@ class MoAVllmProposer:
         self._bound = False  # the KV caches are bound (after vLLM's profiling run)
         # Adaptive speculation (decoding/adaptive.py): acceptance prior, costs, chosen lengths.
         self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
-        self.prior = AcceptancePrior(self.num_speculative_tokens)
-        self.costs = StepCosts()
-        self.probes = Probes()  # a probe first writes every row skipped since the request drafted
-        self.chosen = [0] * (self.num_speculative_tokens + 1)  # request-steps by drafts chosen
+        self.lengths = AdaptiveLengths(self.num_speculative_tokens, StepCosts())
         self._chosen_logged = time.monotonic()
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
@@ -240,9 +235,9 @@ class MoAVllmProposer:
         # The draft phase: rows written for the tokens just verified, then the draft steps. A
         # step that also wrote the rows a request skipped while not drafting is not typical.
         if max(len(p) for p in pending) <= self.num_speculative_tokens + 1:
-            self.costs.observe_draft(max(budgets), done - began)
-        if self.adaptive and self.probes.probing:
-            self.probes.spent(done - began, done)
+            self.lengths.costs.observe_draft(max(budgets), done - began)
+        if self.adaptive and self.lengths.probes.probing:
+            self.lengths.probes.spent(done - began, done)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
         trace = os.environ.get(TRACE_ENV)
@@ -287,30 +282,19 @@ class MoAVllmProposer:
         )
         if started is not None and tokens > 0 and decode_only:
             # Decode steps only: a prompt chunk's per-token cost is not a draft's.
-            self.costs.observe_verify(tokens, time.perf_counter() - started)
+            self.lengths.costs.observe_verify(tokens, time.perf_counter() - started)
         for row, state in zip(rows, states, strict=True):
             if state.tracker is None:
-                state.tracker = AcceptanceTracker(self.num_speculative_tokens, self.prior)
+                state.tracker = self.lengths.tracker()
             drafted = len(verified.get(req_ids[row], ()))
             state.tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
         trackers = [s.tracker for s in states if s.tracker is not None]
-        ks = choose_lengths(trackers, budgets, self.costs)
         # A probe writes the rows its request skipped while it did not draft: probe the cheapest.
         catch_up = [n - s.written for n, s in zip(lengths, states, strict=True)]
-        ks = self.probes.apply(ks, budgets, catch_up)
-        for k in ks:
-            self.chosen[k] += 1
+        ks = self.lengths.choose(trackers, budgets, catch_up)
         if time.monotonic() - self._chosen_logged > 30.0:
             self._chosen_logged = time.monotonic()
-            total = max(sum(self.chosen), 1)
-            logger.info(
-                "MoA adaptive speculation: drafts per request-step %s (0..%d), mean %.2f; "
-                "drafting %.2f ms + %.2f ms per step, target step %.2f ms + %.3f ms per token",
-                [round(c / total, 3) for c in self.chosen], self.num_speculative_tokens,
-                sum(k * c for k, c in enumerate(self.chosen)) / total,
-                1e3 * self.costs.draft_base, 1e3 * self.costs.draft_step,
-                1e3 * self.costs.base, 1e3 * self.costs.per_token,
-            )  # fmt: skip
+            logger.info("MoA adaptive speculation: %s", self.lengths.summary())
         return ks
 
     def _read_layer_kv(
