@@ -148,13 +148,16 @@ def test_probes_one_request_the_cheapest_and_back_off():
 
 
 def test_probes_keep_their_cost_within_their_share_of_the_time():
-    """A probe that cost 0.1 s delays the next until it is at most 2% of the time since."""
+    """A probe that cost 0.1 s waits until the steps since (0.01 s each) have earned it back at
+    2% of their time: 500 steps."""
     probes = Probes(due=1)
-    assert any(probes.apply([0, 0], [4, 4], now=10.0)) and probes.probing
-    probes.spent(0.1, now=10.0)
+    assert any(probes.apply([0, 0], [4, 4], step_time=0.01)) and probes.probing
+    probes.spent(0.1)
     probes.due = 0  # the step interval has passed: only the time share holds the next probe
-    assert not any(probes.apply([0, 0], [4, 4], now=14.9)) and not probes.probing
-    assert any(probes.apply([0, 0], [4, 4], now=15.1))
+    waited = 0
+    while not any(probes.apply([0, 0], [4, 4], step_time=0.01)):
+        waited += 1
+    assert waited == pytest.approx(500, abs=2)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.6, 0.9])
@@ -321,3 +324,20 @@ def test_catch_up_drafts_what_a_proposer_kept_in_step_drafts(llama_target, kind,
             not torch.allclose(a, b, rtol=1e-4, atol=1e-4)
             for (_, a), (_, b) in zip(broken, in_step, strict=False)
         )
+
+
+def test_a_seeded_sampled_request_repeats_as_plain_decoding(llama_target, monkeypatch):
+    """Adaptive lengths follow measured times; a seeded request at temperature > 0 therefore gets
+    no drafts, and its text is plain decoding's for that seed, every time."""
+    from vllm_moa.decoding import SamplingParams
+
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
+    params = SamplingParams(temperature=1.0)
+    plain = SpeculativeEngine(llama_target).generate(PROMPT, 24, params, seed=7).token_ids
+    engine = SpeculativeEngine(
+        llama_target, OracleMoAProposer(make_drafter(llama_target, seed=5), llama_target)
+    )
+    for _ in range(2):
+        result = engine.generate(PROMPT, 24, params, num_speculative_tokens=K, seed=7)
+        assert result.token_ids == plain and result.stats.num_draft_tokens == 0
+    assert engine.generate(PROMPT, 24, num_speculative_tokens=K, seed=7).stats.num_draft_tokens

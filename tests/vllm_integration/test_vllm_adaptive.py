@@ -89,3 +89,27 @@ def test_drafts_that_land_are_kept_when_drafting_is_cheap(moa_pair, plain, monke
     assert fixed_accepted > 40, "the trained drafter should land some drafts"
     assert adaptive_accepted > 0.6 * fixed_accepted, (adaptive_accepted, fixed_accepted)
     assert adaptive < 0.5 * fixed, (adaptive, fixed)
+
+
+def test_seeded_sampled_requests_get_no_drafts_and_repeat_plain_text(moa_pair, monkeypatch):
+    """Seeded requests at temperature > 0 are decoded without drafts under adaptive lengths
+    (their draws would follow measured times): plain decoding's text for the seed, every time;
+    greedy requests in the same batch still draft (costs made cheap so that they do)."""
+    from vllm import SamplingParams
+
+    from vllm_moa.vllm_plugin import proposer
+
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=24) for s in (1, 2, 3)]
+    llm = make_llm(moa_pair["target"])
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], seeded)]
+    del llm
+    monkeypatch.setattr(proposer, "StepCosts", cheap_drafts)
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
+    llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=K)
+    for _ in range(2):
+        got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], seeded)]
+        assert got == plain
+    assert not spec_metrics(llm).get("vllm:spec_decode_num_draft_tokens")
+    llm.generate(PROMPTS[:3], [greedy(24)] * 3)
+    assert spec_metrics(llm)["vllm:spec_decode_num_draft_tokens"] > 0
+    del llm

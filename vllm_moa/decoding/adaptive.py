@@ -33,7 +33,6 @@ a fixed K.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 
 ADAPTIVE_ENV = "VLLM_MOA_ADAPTIVE"
@@ -193,13 +192,15 @@ class Probes:
     it last drafted); its acceptance also moves the engine-wide prior, so one request a probe is
     enough, and a batch never pays every request's catch-up at once. Probes come every `every`
     steps (doubling up to 16x while they change nothing; reset once the rule drafts again), and
-    never more often than keeps their measured cost (`spent`) within `share` of the time."""
+    never more often than keeps their measured cost (`spent`) within `share` of the time the
+    engine spends in steps without drafts (each step's `step_time`: the engine's own time, so
+    idle time or other work in the process earns no probes)."""
 
     every: int = PROBE_EVERY
     steps: int = 0
     due: int = PROBE_EVERY
     share: float = 0.02
-    not_before: float = 0.0  # time.perf_counter() before which no probe starts
+    allowance: float = 0.0  # seconds of probing earned (share x step time) minus spent
     probing: bool = False  # the last `apply` chose a probe
 
     def apply(
@@ -207,16 +208,15 @@ class Probes:
         ks: list[int],
         budgets: list[int],
         catch_up: list[int] | None = None,
-        now: float | None = None,
+        step_time: float = 0.0,
     ) -> list[int]:
         self.steps += 1
         self.probing = False
         if any(ks):
             self.every = PROBE_EVERY
             return ks
-        if self.steps < self.due or not any(budgets):
-            return ks
-        if (time.perf_counter() if now is None else now) < self.not_before:
+        self.allowance += self.share * step_time
+        if self.steps < self.due or not any(budgets) or self.allowance < 0:
             return ks
         self.due = self.steps + self.every
         self.every = min(2 * self.every, 16 * PROBE_EVERY)
@@ -225,11 +225,10 @@ class Probes:
         chosen = min((c, i) for i, (c, b) in enumerate(zip(cost, budgets, strict=True)) if b)[1]
         return [int(i == chosen) for i in range(len(budgets))]
 
-    def spent(self, seconds: float, now: float | None = None) -> None:
-        """The probe just made cost `seconds` (beyond a plain step): the next one waits until
-        that is at most `share` of the time since."""
-        end = time.perf_counter() if now is None else now
-        self.not_before = end + seconds / self.share
+    def spent(self, seconds: float) -> None:
+        """The probe just made cost `seconds` (beyond a plain step): the next waits until the
+        steps since have earned it back."""
+        self.allowance = min(self.allowance, 0.0) - seconds
 
 
 @dataclass
@@ -259,7 +258,9 @@ class AdaptiveLengths:
         catch_up: list[int] | None = None,
     ) -> list[int]:
         """Drafts per request this step: the goodput rule, or a probe while it drafts nothing."""
-        ks = self.probes.apply(choose_lengths(trackers, budgets, self.costs), budgets, catch_up)
+        ks = choose_lengths(trackers, budgets, self.costs)
+        step = self.costs.step_time(len(budgets), 0) if self.costs.known else 0.0
+        ks = self.probes.apply(ks, budgets, catch_up, step)
         for k in ks:
             self.chosen[k] += 1
         return ks

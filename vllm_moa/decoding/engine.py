@@ -101,7 +101,9 @@ class SpeculativeEngine:
         self.rejection_verifier = rejection_verifier
         # Adaptive speculation's measurements, kept across requests (injectable for tests).
         self.step_costs = step_costs or StepCosts()
-        self._lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
+        self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
+        # Adaptive speculation leaves seeded sampled requests undrafted (see generate()).
+        self.repeatable_seeds = True
 
     def _check_request(
         self, prompt_ids: Sequence[int], max_new_tokens: int, num_speculative_tokens: int
@@ -137,7 +139,10 @@ class SpeculativeEngine:
     ) -> GenerationResult:
         """Chain drafting of up to num_speculative_tokens, the length chosen per cycle
         (`adaptive`, unless VLLM_MOA_ADAPTIVE=0; else always K), or EAGLE-2 trees when `tree` is
-        given (its depth then plays the part of K; trees are not adapted)."""
+        given (its depth then plays the part of K; trees are not adapted). With `adaptive` and
+        `repeatable_seeds`, a seeded request at temperature > 0 decodes without drafts: the
+        lengths follow measured times, and the random draws the lengths, so its text would not
+        repeat (it is then plain decoding's text for that seed)."""
         params = params or SamplingParams()
         if tree is not None:
             if not isinstance(self.proposer, TreeProposer):
@@ -155,8 +160,10 @@ class SpeculativeEngine:
         hidden_layers = proposer.hidden_layers if proposer is not None else ()
         eos = set(eos_token_ids)
         adaptive = adaptive and adaptive_enabled() and proposer is not None and tree is None
+        seeded_sampling = seed is not None and not params.greedy
+        no_drafts = adaptive and seeded_sampling and self.repeatable_seeds
         costs = self.step_costs
-        lengths = self._lengths.setdefault(k_max, AdaptiveLengths(k_max, costs))
+        lengths = self.adaptive_lengths.setdefault(k_max, AdaptiveLengths(k_max, costs))
         probes, tracker = lengths.probes, lengths.tracker()
         t0 = time.perf_counter()
 
@@ -172,7 +179,9 @@ class SpeculativeEngine:
             last = generated[-1]
             position = len(prompt) + len(generated) - 1  # of `last`, not yet run by the target
             k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
-            if adaptive and k >= 1:
+            if no_drafts:
+                k = 0
+            elif adaptive and k >= 1:
                 k = lengths.choose([tracker], [k])[0]
             if k >= 1 and behind is not None:
                 began = time.perf_counter()

@@ -27,7 +27,10 @@ How many tokens each request drafts is chosen per step (decoding/adaptive.py; un
 speculative config says "moa_adaptive": false or VLLM_MOA_ADAPTIVE=0): from its acceptance so
 far and the measured costs of the draft phase and of the target's decode step (from the
 runner's execute_model to the proposer). A request given 0 drafts costs nothing that step: its
-rows are written when it next drafts.
+rows are written when it next drafts. A seeded request at temperature > 0 gets no drafts at all:
+the lengths follow measured times and its random draws follow the lengths, so its text would not
+repeat; with no drafts it is plain decoding's text for that seed (vLLM draws nothing for a
+request without drafts). With "moa_adaptive": false it drafts K, repeatable at that K.
 """
 
 from __future__ import annotations
@@ -197,6 +200,8 @@ class MoAVllmProposer:
         for row, rid in enumerate(req_ids):
             if row >= len(sampled_token_ids) or not sampled_token_ids[row]:
                 continue  # partial prefill chunk or discarded: nothing to draft from
+            if self.adaptive and row in batch.generators and rid in batch.random_reqs:
+                continue  # seeded sampling: no drafts, so the seed repeats (see the docstring)
             n = int(batch.num_tokens_no_spec[row])
             budget = min(self.num_speculative_tokens, self.max_model_len - n)
             if budget <= 0:
@@ -237,7 +242,7 @@ class MoAVllmProposer:
         if max(len(p) for p in pending) <= self.num_speculative_tokens + 1:
             self.lengths.costs.observe_draft(max(budgets), done - began)
         if self.adaptive and self.lengths.probes.probing:
-            self.lengths.probes.spent(done - began, done)
+            self.lengths.probes.spent(done - began)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
         trace = os.environ.get(TRACE_ENV)
