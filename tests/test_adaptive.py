@@ -57,6 +57,21 @@ def test_draft_phase_cost_has_a_fixed_part_and_a_per_step_part():
     assert c.step_time(3, 0) == pytest.approx(c.base + c.per_token * 3)
 
 
+def test_draft_phase_cost_grows_with_the_drafts_of_a_batch():
+    """c + d * m + e * s recovered from steps of several batch sizes; at batch 1 (s = m) the
+    fit stays stable and predicts batch-1 steps."""
+    c = StepCosts(forget=0.1)
+    for batch in (1, 4, 16, 2, 8):
+        for m in (1, 3, 2, 4):
+            c.observe_draft(m, 0.5 + 0.1 * m + 0.02 * m * batch, m * batch)
+    assert (c.draft_base, c.draft_step, c.draft_each) == pytest.approx((0.5, 0.1, 0.02), rel=1e-3)
+    assert c.step_time(0, 2, 32) - c.base == pytest.approx(0.5 + 0.2 + 0.64, rel=1e-3)
+    one = StepCosts(forget=0.1)
+    for m in (1, 3, 2, 4) * 3:
+        one.observe_draft(m, 0.5 + 0.12 * m)
+    assert one.step_time(0, 3) - one.base == pytest.approx(0.5 + 0.36, rel=1e-3)
+
+
 def test_rule_looks_past_a_first_draft_that_does_not_pay_for_the_fixed_cost():
     """With a draft phase of 1.0 + 0.05 per step on a verify step of 1.0, one good draft does
     not pay (1.9 tokens for 2.05) but four do (4.4 tokens for 2.2)."""

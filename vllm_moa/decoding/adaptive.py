@@ -9,14 +9,14 @@ Two online estimates feed one rule.
   A new request starts from the engine-wide average (`AcceptancePrior`, over all requests),
   and a request's estimates drift back to it while the request does not draft.
 - `StepCosts` (one per engine): the verify step's time as a + b * n for n tokens in it, and the
-  draft phase's as c + d * m for m draft steps (least squares over recent steps, exponentially
-  forgotten; all requests draft together, so a step costs c + d * m whether one request
-  drafts m tokens or all do).
+  draft phase's as c + d * m + e * s for m draft steps and s drafts in all (least squares over
+  recent steps, exponentially forgotten; all requests draft together, so the draft steps cost
+  d each however many requests draft, and each draft e more).
 
 `choose_lengths` then maximises the batch's goodput, expected tokens per second,
 
-    G(k_1..k_B) = sum_r E_r(k_r) / (a + b * sum_r (1 + k_r) + [m > 0] (c + d * m)),
-    m = max_r k_r,
+    G(k_1..k_B) = sum_r E_r(k_r) / (a + b * sum_r (1 + k_r) + [m > 0] (c + d * m + e * s)),
+    m = max_r k_r, s = sum_r k_r,
 
 over k_r <= budget_r: for every candidate number of draft steps m in 0..K, each request takes
 the drafts whose expected extra tokens beat their verify cost at the current goodput, up to m;
@@ -103,26 +103,27 @@ class AcceptanceTracker:
 
 @dataclass
 class StepCosts:
-    """Online step-cost model (seconds): the verify step a + b * tokens, the draft phase
-    c + d * steps (everything a step with drafts costs beyond the verify step: for MoA the
-    history rows written, the draft steps, bookkeeping). Both are least-squares lines over
-    recent steps, exponentially forgotten; a slope is 0 (verify) or the mean ratio (draft,
-    with c = 0) until the steps seen vary enough in size to tell."""
+    """Online step-cost model (seconds): the verify step a + b * tokens, and the draft phase
+    c + d * m + e * s for m draft steps and s drafts in all (everything a step with drafts
+    costs beyond the verify step: for MoA the history rows written, the draft steps over the
+    drafting requests, bookkeeping; e is what makes drafting for a large batch cost more).
+    Least squares over recent steps, exponentially forgotten. b is 0 until the steps seen vary
+    enough in size to tell; the draft phase falls back to c + d * m, then to a mean ratio d,
+    when m (or s apart from m: not at batch 1) has not varied enough to tell, or a fit would
+    need a negative coefficient."""
 
     forget: float = 0.05  # weight of each new observation in the running moments
-    min_spread: float = 0.4  # tokens: below this std of n, b is not identified (taken as 0)
-    min_draft_spread: float = 0.4  # draft steps: below this std of m, c is taken as 0
+    min_spread: float = 0.4  # std of n (of m, s) below which b (c and d, e) is not identified
     _w: float = 0.0
     _n: float = 0.0
     _t: float = 0.0
     _nn: float = 0.0
     _nt: float = 0.0
-    _dm: float = 0.0
-    _dt: float = 0.0
-    _dmm: float = 0.0
-    _dmt: float = 0.0
+    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
+    _xt: list[float] = field(default_factory=lambda: [0.0] * 3)
     draft_base: float = 0.0  # c
     draft_step: float = 0.0  # d
+    draft_each: float = 0.0  # e
     _draft_seen: bool = False
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
@@ -133,21 +134,35 @@ class StepCosts:
         self._nn += f * (tokens * tokens - self._nn)
         self._nt += f * (tokens * seconds - self._nt)
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
+    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
+        """A draft phase of `steps` draft steps and `drafts` drafts over all requests (default:
+        one request, drafts = steps) that took `seconds`."""
         if steps <= 0:
             return
         f = self.forget if self._draft_seen else 1.0
         self._draft_seen = True
-        self._dm += f * (steps - self._dm)
-        self._dt += f * (seconds - self._dt)
-        self._dmm += f * (steps * steps - self._dmm)
-        self._dmt += f * (steps * seconds - self._dmt)
-        var = self._dmm - self._dm * self._dm
-        slope = (self._dmt - self._dm * self._dt) / var if var >= self.min_draft_spread**2 else -1
-        if slope < 0 or self._dt - slope * self._dm < 0:  # not identified: a ratio, c = 0
-            self.draft_base, self.draft_step = 0.0, self._dt / self._dm
-        else:
-            self.draft_base, self.draft_step = self._dt - slope * self._dm, slope
+        x = (1.0, float(steps), float(steps if drafts is None else drafts))
+        for i in range(3):
+            self._xt[i] += f * (x[i] * seconds - self._xt[i])
+            for j in range(3):
+                self._xx[i][j] += f * (x[i] * x[j] - self._xx[i][j])
+        xx = self._xx
+        var_m = xx[1][1] - xx[0][1] ** 2
+        var_s = xx[2][2] - xx[0][2] ** 2
+        cov = xx[1][2] - xx[0][1] * xx[0][2]
+        sizes = []  # the fits the data identify: m must vary; for e, s must vary apart from m
+        if var_m >= self.min_spread**2:
+            if var_s - cov * cov / var_m >= self.min_spread**2:
+                sizes.append(3)
+            sizes.append(2)
+        for size in sizes:
+            fit = _least_squares(xx, self._xt, size)
+            if fit is not None and min(fit) >= 0:
+                self.draft_base, self.draft_step = fit[0], fit[1]
+                self.draft_each = fit[2] if size == 3 else 0.0
+                return
+        self.draft_base, self.draft_each = 0.0, 0.0
+        self.draft_step = self._xt[0] / xx[0][1]  # mean time / mean steps
 
     @property
     def known(self) -> bool:
@@ -164,9 +179,35 @@ class StepCosts:
     def base(self) -> float:
         return max(self._t - self.per_token * self._n, 0.0)
 
-    def step_time(self, tokens: int, draft_steps: int) -> float:
-        draft = self.draft_base + self.draft_step * draft_steps if draft_steps else 0.0
+    def step_time(self, tokens: int, draft_steps: int, drafts: int | None = None) -> float:
+        """A step verifying `tokens` after `draft_steps` draft steps of `drafts` drafts in all
+        (default: one request's, = draft_steps)."""
+        if not draft_steps:
+            return self.base + self.per_token * tokens
+        each = self.draft_each * (draft_steps if drafts is None else drafts)
+        draft = self.draft_base + self.draft_step * draft_steps + each
         return self.base + self.per_token * tokens + draft
+
+
+def _least_squares(xx: list[list[float]], xt: list[float], size: int) -> list[float] | None:
+    """Solve the first `size` normal equations (second moments xx, cross moments xt); None if
+    singular."""
+    a = [[xx[i][j] for j in range(size)] for i in range(size)]
+    b = list(xt[:size])
+    for col in range(size):  # Gaussian elimination, partial pivoting
+        pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-18:
+            return None
+        a[col], a[pivot], b[col], b[pivot] = a[pivot], a[col], b[pivot], b[col]
+        for r in range(col + 1, size):
+            factor = a[r][col] / a[col][col]
+            b[r] -= factor * b[col]
+            for c in range(col, size):
+                a[r][c] -= factor * a[col][c]
+    out = [0.0] * size
+    for r in reversed(range(size)):
+        out[r] = (b[r] - sum(a[r][c] * out[c] for c in range(r + 1, size))) / a[r][r]
+    return out
 
 
 def choose_lengths(
@@ -272,7 +313,8 @@ class AdaptiveLengths:
         c = self.costs
         return (
             f"drafts per request-step {shares} (0..{self.k_max}), mean {mean:.2f}; drafting "
-            f"{1e3 * c.draft_base:.2f} ms + {1e3 * c.draft_step:.2f} ms per step, target step "
+            f"{1e3 * c.draft_base:.2f} ms + {1e3 * c.draft_step:.2f} ms per step + "
+            f"{1e3 * c.draft_each:.3f} ms per draft, target step "
             f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token"
         )
 
@@ -290,13 +332,13 @@ def _best_lengths(
     best_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
     best_ks = [0] * n_req
     for m in range(1, max(budgets, default=0) + 1):
-        threshold = best_rate * costs.per_token
+        threshold = best_rate * (costs.per_token + costs.draft_each)
         ks = [_take_while(g[:m], threshold) for g in gains]
         deepest = max(ks)
         if deepest == 0:
             break
         expected = n_req + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
-        rate = expected / max(costs.step_time(n_req + sum(ks), deepest), 1e-12)
+        rate = expected / max(costs.step_time(n_req + sum(ks), deepest, sum(ks)), 1e-12)
         if rate > best_rate * (1.0 + 1e-9):
             best_rate, best_ks = rate, ks
         if deepest < m:  # nobody takes draft m: deeper steps cannot pay either

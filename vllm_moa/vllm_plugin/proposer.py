@@ -240,7 +240,7 @@ class MoAVllmProposer:
         # The draft phase: rows written for the tokens just verified, then the draft steps. A
         # step that also wrote the rows a request skipped while not drafting is not typical.
         if max(len(p) for p in pending) <= self.num_speculative_tokens + 1:
-            self.lengths.costs.observe_draft(max(budgets), done - began)
+            self.lengths.costs.observe_draft(max(budgets), done - began, sum(budgets))
         if self.adaptive and self.lengths.probes.probing:
             self.lengths.probes.spent(done - began)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
