@@ -211,7 +211,7 @@ class CheapDrafts(StepCosts):
     """Measured costs replaced by a drafter 20x cheaper than a verify step (the test oracle
     runs the whole target per draft: measured, it would rightly be turned off)."""
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
+    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
         super().observe_draft(1, 0.0005)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
@@ -258,7 +258,7 @@ class AlternatingCosts(StepCosts):
         self.calls += 1
         self.draft_step = 0.01 if self.calls % 2 else 10.0
 
-    def observe_draft(self, steps: int, seconds: float) -> None:
+    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
         pass
 
 
