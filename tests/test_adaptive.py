@@ -13,7 +13,6 @@ from conftest import OracleMoAProposer, make_drafter
 from vllm_moa.decoding import MoAProposer, SpeculativeEngine
 from vllm_moa.decoding.adaptive import (
     PROBE_EVERY,
-    AcceptancePrior,
     AcceptanceTracker,
     Probes,
     StepCosts,
@@ -127,8 +126,7 @@ def simulate(p: float, policy: str, steps: int = 400, batch: int = 8, seed: int 
     """A simulated engine: each draft accepted with probability p; a step takes
     1 + 0.02 * tokens + 0.15 * draft steps. Returns (tokens per unit time, chosen K per step)."""
     rng = random.Random(seed)
-    prior = AcceptancePrior(K)  # shared by the requests, as in the engines
-    trackers = [AcceptanceTracker(K, prior) for _ in range(batch)]
+    trackers = [AcceptanceTracker(K) for _ in range(batch)]
     c = StepCosts()
     tokens = time = 0.0
     chosen = []

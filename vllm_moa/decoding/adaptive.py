@@ -64,7 +64,7 @@ class AcceptanceTracker:
     k_max: int
     prior: AcceptancePrior | None = None  # shared by the engine's requests; own one if None
     weight: float = 0.25  # of each new observation
-    relax: float = 0.2  # per step without an observation, pull towards the prior
+    relax: float = 0.02  # per step without an observation, pull towards the prior
     alpha: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
