@@ -18,6 +18,7 @@ os.environ.setdefault("VLLM_MOA_ADAPTIVE", "0")
 import pytest
 
 from vllm_moa.decoding import MoAProposer
+from vllm_moa.decoding.adaptive import StepCosts
 from vllm_moa.model import MoADrafter, TargetInfo, make_config
 from vllm_moa.target import HFTarget
 
@@ -71,6 +72,27 @@ def make_drafter(
     drafter = MoADrafter(make_config(info, preset=preset, tli=tli, memory_source=memory))
     drafter.init_weights(seed)
     return drafter.eval()
+
+
+class AlternatingCosts(StepCosts):
+    """Adaptive speculation under test: costs that make drafting pay after every other engine
+    step only (a draft step of 0.01 or 10 against a verify step of 1), so cycles alternate
+    between drafting and not. `verify_sizes`: the verify steps observed at the start."""
+
+    def __init__(self, verify_sizes: tuple[int, ...] = (1,)) -> None:
+        super().__init__()
+        for n in verify_sizes:
+            super().observe_verify(n, 1.0)
+        super().observe_draft(1, 0.01)
+        self.calls = 0
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        super().observe_verify(tokens, 1.0)
+        self.calls += 1
+        self.draft_step = 0.01 if self.calls % 2 else 10.0
+
+    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
+        pass
 
 
 class OracleMoAProposer(MoAProposer):

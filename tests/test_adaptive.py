@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import OracleMoAProposer, make_drafter
+from conftest import AlternatingCosts, OracleMoAProposer, make_drafter
 
 from vllm_moa.decoding import MoAProposer, SpeculativeEngine
 from vllm_moa.decoding.adaptive import (
@@ -242,24 +242,6 @@ def test_adaptive_by_default_fixed_k_when_turned_off(llama_target, monkeypatch):
         hist = engine.generate(PROMPT, 40, num_speculative_tokens=K, **kwargs)
         hist = hist.stats.draft_length_histogram
         assert hist[K] >= sum(hist) - K, hist  # K but in the last cycles (no room)
-
-
-class AlternatingCosts(StepCosts):
-    """Drafting pays after every other engine step only: cycles alternate 0 and K drafts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        super().observe_verify(1, 1.0)
-        super().observe_draft(1, 0.01)
-        self.calls = 0
-
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        super().observe_verify(tokens, 1.0)
-        self.calls += 1
-        self.draft_step = 0.01 if self.calls % 2 else 10.0
-
-    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
-        pass
 
 
 class InStepEngine(SpeculativeEngine):

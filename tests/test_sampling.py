@@ -4,11 +4,10 @@ import itertools
 
 import pytest
 import torch
-from conftest import make_drafter, make_hf_model
+from conftest import AlternatingCosts, make_drafter, make_hf_model
 from scipy.stats import chi2
 
 from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine, Verdict
-from vllm_moa.decoding.adaptive import StepCosts
 from vllm_moa.decoding.sampling import probabilities, verify_rejection
 from vllm_moa.target import HFTarget
 
@@ -117,26 +116,6 @@ def _exact_joint(target: HFTarget, params: SamplingParams) -> torch.Tensor:
     return joint.reshape([VOCAB] * NEW)
 
 
-class CoinCosts(StepCosts):
-    """Adaptive speculation under test: costs that make drafting pay after every other engine
-    step only, so the chain length varies between 0 and 3 from cycle to cycle."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        super().observe_verify(1, 1.0)
-        super().observe_verify(4, 1.0)
-        super().observe_draft(1, 0.01)
-        self.calls = 0
-
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        super().observe_verify(tokens, 1.0)
-        self.calls += 1
-        self.draft_step = 0.01 if self.calls % 2 else 10.0
-
-    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
-        pass
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "params, verifier, lossless, adaptive",
@@ -156,7 +135,7 @@ def test_speculative_sampling_preserves_the_target_distribution(
     # Tokens 2..NEW are the ones speculation produces; test their joint law (64 cells).
     marginal = exact.sum(0).flatten()
     proposer = MoAProposer(make_drafter(target, tli=1, seed=1), target)
-    costs = CoinCosts() if adaptive else None
+    costs = AlternatingCosts(verify_sizes=(1, 4)) if adaptive else None
     engine = SpeculativeEngine(target, proposer, rejection_verifier=verifier, step_costs=costs)
     engine.repeatable_seeds = False  # the costs are injected: the seeded lengths repeat anyway
     counts = torch.zeros(VOCAB ** (NEW - 1))
