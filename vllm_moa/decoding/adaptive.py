@@ -66,6 +66,9 @@ class AcceptanceTracker:
     weight: float = 0.25  # of each new observation
     relax: float = 0.02  # per step without an observation, pull towards the prior
     alpha: list[float] = field(default_factory=list)
+    # Steps without drafts not yet folded into alpha: an idle request costs O(1) a step, which
+    # matters when a batch of requests that do not draft is decided every step.
+    _idle: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         if self.prior is None:
@@ -76,7 +79,11 @@ class AcceptanceTracker:
         """A verify step of `drafted` drafts that accepted the first `accepted`. Positions past
         the first rejection were not tested and keep their estimate; a step without drafts
         only relaxes the estimates towards the prior."""
+        if drafted == 0:
+            self._idle += 1
+            return
         assert self.prior is not None
+        self.settle()
         for alpha, w in ((self.alpha, self.weight), (self.prior.alpha, self.prior.weight)):
             for j in range(min(drafted, self.k_max)):
                 if j < accepted:
@@ -85,15 +92,33 @@ class AcceptanceTracker:
                     alpha[j] -= w * alpha[j]
                 else:
                     break
-        if drafted == 0:
+
+    def settle(self) -> list[float]:
+        """Fold the idle steps into alpha (each pulls `relax` of the way to the prior; the
+        prior's current value stands for its values over those steps) and return alpha."""
+        if self._idle:
+            assert self.prior is not None
+            keep = (1.0 - self.relax) ** self._idle
+            self._idle = 0
             for j in range(self.k_max):
-                self.alpha[j] += self.relax * (self.prior.alpha[j] - self.alpha[j])
+                p = self.prior.alpha[j]
+                self.alpha[j] = p + keep * (self.alpha[j] - p)
+        return self.alpha
+
+    def first_bound(self) -> float:
+        """An upper bound of the first draft's acceptance (and so of every draft's expected
+        gain) without settling: idle steps only move alpha[0] towards the prior's."""
+        assert self.prior is not None
+        if not self._idle:
+            return self.alpha[0]
+        return max(self.alpha[0], self.prior.alpha[0])
 
     def gains(self, k: int) -> list[float]:
         """Expected extra tokens from each of the first k drafts: prod_{j<=i} alpha[j]."""
+        alpha = self.settle()
         out, p = [], 1.0
         for j in range(min(k, self.k_max)):
-            p *= self.alpha[j]
+            p *= alpha[j]
             out.append(p)
         return out
 
@@ -328,9 +353,17 @@ def _best_lengths(
     fixed draft-phase cost can make m = 1 lose and m = 3 win, so every m is tried, until no
     request takes draft m). O(batch * K^2), K small."""
     n_req = len(trackers)
-    gains = [t.gains(b) for t, b in zip(trackers, budgets, strict=True)]
     best_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
     best_ks = [0] * n_req
+    # The threshold only rises with the best rate, and no draft gains more than the first's
+    # acceptance: a request whose bound is below the first threshold never drafts.
+    floor = best_rate * (costs.per_token + costs.draft_each)
+    gains = [
+        t.gains(b) if b and t.first_bound() > floor else []
+        for t, b in zip(trackers, budgets, strict=True)
+    ]
+    if not any(gains):
+        return best_ks
     for m in range(1, max(budgets, default=0) + 1):
         threshold = best_rate * (costs.per_token + costs.draft_each)
         ks = [_take_while(g[:m], threshold) for g in gains]

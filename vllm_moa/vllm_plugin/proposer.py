@@ -197,27 +197,33 @@ class MoAVllmProposer:
         rows: list[int] = []
         budgets: list[int] = []
         lengths: list[int] = []
-        for row, rid in enumerate(req_ids):
-            if row >= len(sampled_token_ids) or not sampled_token_ids[row]:
+        states: list[RequestState] = []
+        # Every step visits every request: locals keep the loop cheap at large batches.
+        k, max_len = self.num_speculative_tokens, self.max_model_len
+        known, requests = self.states, runner.requests
+        seeded = batch.generators if self.adaptive else {}
+        num_tokens = batch.num_tokens_no_spec
+        for row, rid in enumerate(req_ids[: len(sampled_token_ids)]):
+            if not sampled_token_ids[row]:
                 continue  # partial prefill chunk or discarded: nothing to draft from
-            if self.adaptive and row in batch.generators and rid in batch.random_reqs:
+            if row in seeded and rid in batch.random_reqs:
                 continue  # seeded sampling: no drafts, so the seed repeats (see the docstring)
-            n = int(batch.num_tokens_no_spec[row])
-            budget = min(self.num_speculative_tokens, self.max_model_len - n)
+            n = int(num_tokens[row])
+            budget = min(k, max_len - n)
             if budget <= 0:
                 continue
-            block_ids = runner.requests[rid].block_ids
-            state = self.states.get(rid)
+            block_ids = requests[rid].block_ids
+            state = known.get(rid)
             if state is None or state.block_ids is not block_ids or state.written > n - 1:
                 # new, reused id, or resumed after preemption (new blocks): rewrite the pages
                 tracker = state.tracker if state is not None else None
-                state = self.states[rid] = RequestState(block_ids, tracker=tracker)
+                state = known[rid] = RequestState(block_ids, tracker=tracker)
             rows.append(row)
             budgets.append(budget)
             lengths.append(n)
+            states.append(state)
         if not rows:
             return drafts
-        states = [self.states[req_ids[r]] for r in rows]
         if self.adaptive:
             ks = self._choose(
                 runner, scheduler_output, req_ids, rows, states, budgets, lengths, sampled_token_ids
@@ -288,14 +294,19 @@ class MoAVllmProposer:
         if started is not None and tokens > 0 and decode_only:
             # Decode steps only: a prompt chunk's per-token cost is not a draft's.
             self.lengths.costs.observe_verify(tokens, time.perf_counter() - started)
-        for row, state in zip(rows, states, strict=True):
-            if state.tracker is None:
-                state.tracker = self.lengths.tracker()
-            drafted = len(verified.get(req_ids[row], ()))
-            state.tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
-        trackers = [s.tracker for s in states if s.tracker is not None]
-        # A probe writes the rows its request skipped while it did not draft: probe the cheapest.
-        catch_up = [n - s.written for n, s in zip(lengths, states, strict=True)]
+        trackers: list[AcceptanceTracker] = []
+        catch_up: list[int] = []  # a probe writes the rows its request skipped: the cheapest
+        for row, state, n in zip(rows, states, lengths, strict=True):
+            tracker = state.tracker
+            if tracker is None:
+                tracker = state.tracker = self.lengths.tracker()
+            drafted = verified.get(req_ids[row])
+            if drafted:
+                tracker.observe(len(drafted), len(sampled_token_ids[row]) - 1)
+            else:
+                tracker.observe(0, 0)
+            trackers.append(tracker)
+            catch_up.append(n - state.written)
         ks = self.lengths.choose(trackers, budgets, catch_up)
         if time.monotonic() - self._chosen_logged > 30.0:
             self._chosen_logged = time.monotonic()
