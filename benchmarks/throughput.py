@@ -136,8 +136,9 @@ def run(
     rounds: int,
     max_tokens: int,
 ) -> list[dict[str, Any]]:
-    """Rounds alternate between the engines (plain, MoA, plain, ...) so that drift in machine
-    speed hits every method alike; figures are medians over rounds."""
+    """Each round runs every engine, in turn, forward in even rounds and backward in odd ones
+    (plain, MoA, ..., MoA, plain), so that drift in machine speed hits every method alike;
+    figures are medians over rounds."""
     from vllm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -153,7 +154,8 @@ def run(
         for r in range(rounds):
             batch = [prompts[(next_prompt + i) % len(prompts)] for i in range(b)]
             next_prompt += b
-            for m, (engine, _) in engines.items():
+            order = list(engines.items())
+            for m, (engine, _) in order[::-1] if r % 2 else order:
                 elapsed, tokens, lat = run_round(engine, batch, params, f"{m}-b{b}-r{r}")
                 per[m]["tps"].append(tokens / elapsed)
                 per[m]["lat"].extend(lat)

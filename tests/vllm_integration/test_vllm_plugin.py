@@ -37,6 +37,40 @@ def test_register_is_idempotent_and_extends_the_method_literal():
     assert "moa" in str(SpeculativeConfig.__dataclass_fields__["method"].type)
 
 
+@pytest.mark.parametrize("scheduled", [[1], [1, 1, 1, 1], [7, 1, 1, 30, 1]])
+def test_no_draft_metadata_is_vllms(scheduled):
+    """A MoA step without drafts builds its spec-decode metadata directly (patch 4): the same
+    tensors, dtypes and lengths as vLLM's own `_calc_spec_decode_metadata` (prompt chunks
+    included: one logit each, at the chunk's last token)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_moa.vllm_plugin.patches import no_draft_metadata
+
+    cu = np.cumsum(np.array(scheduled, dtype=np.int32), dtype=np.int32)
+    input_ids = torch.arange(100, 100 + int(cu[-1]) + 8, dtype=torch.int32)
+    runner = SimpleNamespace(
+        _arange_scratch=np.zeros(64, dtype=np.int64),
+        arange_np=np.arange(64, dtype=np.int64),
+        device=torch.device("cpu"),
+        input_ids=SimpleNamespace(gpu=input_ids),
+        speculative_config=None,
+    )
+    runner._get_cumsum_and_arange = GPUModelRunner._get_cumsum_and_arange.__get__(runner)
+    zeros = np.zeros(len(scheduled), dtype=np.int32)
+    theirs = GPUModelRunner._calc_spec_decode_metadata(runner, zeros, cu)  # the real one
+    ours = no_draft_metadata(cu, input_ids)
+    assert ours.num_draft_tokens == theirs.num_draft_tokens and ours.max_spec_len == 0
+    for name in (
+        "draft_token_ids", "cu_num_draft_tokens", "cu_num_sampled_tokens",
+        "target_logits_indices", "bonus_logits_indices", "logits_indices",
+    ):  # fmt: skip
+        a, b = getattr(ours, name), getattr(theirs, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
+
+
 def _engine_config(target, spec: dict):
     from vllm.engine.arg_utils import EngineArgs
 
