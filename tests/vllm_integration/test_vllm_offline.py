@@ -119,6 +119,42 @@ def test_prompt_at_context_limit(moa_pair):
     assert llm.generate([prompt], greedy(4))[0].outputs[0].token_ids == expected
 
 
+def test_a_request_at_the_limit_leaves_the_others_drafts_alone(moa_pair, tmp_path, monkeypatch):
+    """While one request is within K tokens of the model's length limit, vLLM's runner would
+    schedule K zero tokens as drafts for every request in the batch (its drafter-fits test;
+    patch 4 answers it for MoA): the drafts verified are exactly the proposer's, and the
+    outputs are plain decoding's."""
+    plain = make_llm(moa_pair["target"], max_model_len=128)
+    tokenizer = plain.get_tokenizer()
+    long_ids = (tokenizer.encode(PROMPTS[7]) * 8)[:110]
+    prompts = [{"prompt_token_ids": long_ids}] + [
+        {"prompt_token_ids": tokenizer.encode(p)} for p in PROMPTS[:5]
+    ]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, greedy(24))]
+    del plain
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "0")
+
+    def verified_and_proposed(trace):
+        monkeypatch.setenv("VLLM_MOA_TRACE", str(trace))
+        llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=4, max_model_len=128)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(24))]
+        assert got == expected
+        assert len(got[0]) == 128 - 110  # the long request ran into the limit
+        ours = sum(len(json.loads(line)["drafts"]) for line in trace.read_text().splitlines())
+        return spec_metrics(llm)["vllm:spec_decode_num_draft_tokens"], ours
+
+    # Verified <= proposed: the drafts made in a request's last step are never verified.
+    verified, proposed = verified_and_proposed(tmp_path / "patched.jsonl")
+    assert 0 < verified <= proposed
+    # Control: vLLM's own test back in place, the zeros it schedules are verified too.
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vllms = GPUModelRunner._input_fits_in_drafter.__wrapped__
+    monkeypatch.setattr(GPUModelRunner, "_input_fits_in_drafter", vllms)
+    verified, proposed = verified_and_proposed(tmp_path / "vllms.jsonl")
+    assert verified > proposed + 20
+
+
 @pytest.mark.parametrize("tli", [0, 1])
 def test_one_token_prompt(moa_pair, tli):
     """Nothing is verified before the first draft: an empty CA memory (and TLI prefix)."""

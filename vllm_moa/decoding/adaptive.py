@@ -66,9 +66,10 @@ class AcceptanceTracker:
     weight: float = 0.25  # of each new observation
     relax: float = 0.02  # per step without an observation, pull towards the prior
     alpha: list[float] = field(default_factory=list)
-    # Steps without drafts not yet folded into alpha: an idle request costs O(1) a step, which
-    # matters when a batch of requests that do not draft is decided every step.
+    # Steps without drafts not yet folded into alpha, and the gains of the alpha as it stands:
+    # an idle request costs O(1) a step, which matters when a batch is decided every step.
     _idle: int = field(default=0, repr=False)
+    _gains: list[float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.prior is None:
@@ -84,6 +85,7 @@ class AcceptanceTracker:
             return
         assert self.prior is not None
         self.settle()
+        self._gains = None
         for alpha, w in ((self.alpha, self.weight), (self.prior.alpha, self.prior.weight)):
             for j in range(min(drafted, self.k_max)):
                 if j < accepted:
@@ -93,13 +95,15 @@ class AcceptanceTracker:
                 else:
                     break
 
-    def settle(self) -> list[float]:
-        """Fold the idle steps into alpha (each pulls `relax` of the way to the prior; the
-        prior's current value stands for its values over those steps) and return alpha."""
-        if self._idle:
+    def settle(self, every: int = 1) -> list[float]:
+        """Fold the idle steps into alpha once there are `every` of them (each pulls `relax` of
+        the way to the prior; the prior's current value stands for its values over those
+        steps) and return alpha."""
+        if self._idle >= every:
             assert self.prior is not None
             keep = (1.0 - self.relax) ** self._idle
             self._idle = 0
+            self._gains = None
             for j in range(self.k_max):
                 p = self.prior.alpha[j]
                 self.alpha[j] = p + keep * (self.alpha[j] - p)
@@ -114,13 +118,16 @@ class AcceptanceTracker:
         return max(self.alpha[0], self.prior.alpha[0])
 
     def gains(self, k: int) -> list[float]:
-        """Expected extra tokens from each of the first k drafts: prod_{j<=i} alpha[j]."""
-        alpha = self.settle()
-        out, p = [], 1.0
-        for j in range(min(k, self.k_max)):
-            p *= alpha[j]
-            out.append(p)
-        return out
+        """Expected extra tokens from each of the first k drafts: prod_{j<=i} alpha[j]. The
+        idle steps are folded in 8 at a time (the pull is 2% a step: the choice is the same)."""
+        self.settle(every=8)
+        if self._gains is None:
+            out, p = [], 1.0
+            for a in self.alpha:
+                p *= a
+                out.append(p)
+            self._gains = out
+        return self._gains[:k]
 
     def expected_tokens(self, k: int) -> float:
         return 1.0 + sum(self.gains(k))
@@ -146,6 +153,8 @@ class StepCosts:
     _nt: float = 0.0
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     _xt: list[float] = field(default_factory=lambda: [0.0] * 3)
+    base: float = 0.0  # a (the fit of the verify steps, updated with each)
+    per_token: float = 0.0  # b
     draft_base: float = 0.0  # c
     draft_step: float = 0.0  # d
     draft_each: float = 0.0  # e
@@ -158,6 +167,11 @@ class StepCosts:
         self._t += f * (seconds - self._t)
         self._nn += f * (tokens * tokens - self._nn)
         self._nt += f * (tokens * seconds - self._nt)
+        var = self._nn - self._n * self._n
+        self.per_token = 0.0
+        if var >= self.min_spread**2:
+            self.per_token = max(0.0, (self._nt - self._n * self._t) / var)
+        self.base = max(self._t - self.per_token * self._n, 0.0)
 
     def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
         """A draft phase of `steps` draft steps and `drafts` drafts over all requests (default:
@@ -192,17 +206,6 @@ class StepCosts:
     @property
     def known(self) -> bool:
         return self._w > 0 and self._draft_seen
-
-    @property
-    def per_token(self) -> float:
-        var = self._nn - self._n * self._n
-        if var < self.min_spread**2:
-            return 0.0
-        return max(0.0, (self._nt - self._n * self._t) / var)
-
-    @property
-    def base(self) -> float:
-        return max(self._t - self.per_token * self._n, 0.0)
 
     def step_time(self, tokens: int, draft_steps: int, drafts: int | None = None) -> float:
         """A step verifying `tokens` after `draft_steps` draft steps of `drafts` drafts in all
@@ -351,32 +354,45 @@ def _best_lengths(
     drafts (up to m) whose expected tokens beat their verify cost at the best goodput so far
     (a lower bound of the optimum's, so the rule errs towards drafting); the best m wins (a
     fixed draft-phase cost can make m = 1 lose and m = 3 win, so every m is tried, until no
-    request takes draft m). O(batch * K^2), K small."""
+    request takes draft m). Per-depth totals make each m O(K); O(batch * K) each time the best
+    goodput rises."""
     n_req = len(trackers)
     best_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
-    best_ks = [0] * n_req
+    per_draft = costs.per_token + costs.draft_each
     # The threshold only rises with the best rate, and no draft gains more than the first's
     # acceptance: a request whose bound is below the first threshold never drafts.
-    floor = best_rate * (costs.per_token + costs.draft_each)
-    gains = [
-        t.gains(b) if b and t.first_bound() > floor else []
-        for t, b in zip(trackers, budgets, strict=True)
+    floor = best_rate * per_draft
+    candidates = [
+        (i, t.gains(b))
+        for i, (t, b) in enumerate(zip(trackers, budgets, strict=True))
+        if b and t.first_bound() > floor
     ]
-    if not any(gains):
-        return best_ks
-    for m in range(1, max(budgets, default=0) + 1):
-        threshold = best_rate * (costs.per_token + costs.draft_each)
-        ks = [_take_while(g[:m], threshold) for g in gains]
-        deepest = max(ks)
-        if deepest == 0:
+    ks = [0] * n_req
+    if not candidates:
+        return ks
+    depth = max(len(g) for _, g in candidates)
+    best_m, best_lengths = 0, []
+    threshold = -1.0
+    for m in range(1, depth + 1):
+        if best_rate * per_draft != threshold:  # (re)take the drafts that pay at this rate
+            threshold = best_rate * per_draft
+            lengths = [_take_while(g, threshold) for _, g in candidates]
+            taking = [0] * (depth + 1)  # requests that take draft j
+            gained = [0.0] * (depth + 1)  # their expected extra tokens from it
+            for n, (_, g) in zip(lengths, candidates, strict=True):
+                for j in range(n):
+                    taking[j + 1] += 1
+                    gained[j + 1] += g[j]
+        if not taking[m]:  # nobody takes draft m: deeper steps cannot pay either
             break
-        expected = n_req + sum(sum(g[:k]) for g, k in zip(gains, ks, strict=True))
-        rate = expected / max(costs.step_time(n_req + sum(ks), deepest, sum(ks)), 1e-12)
+        drafts = sum(taking[1 : m + 1])
+        expected = n_req + sum(gained[1 : m + 1])
+        rate = expected / max(costs.step_time(n_req + drafts, m, drafts), 1e-12)
         if rate > best_rate * (1.0 + 1e-9):
-            best_rate, best_ks = rate, ks
-        if deepest < m:  # nobody takes draft m: deeper steps cannot pay either
-            break
-    return best_ks
+            best_rate, best_m, best_lengths = rate, m, lengths
+    for (i, _), n in zip(candidates, best_lengths, strict=False):
+        ks[i] = min(n, best_m)
+    return ks
 
 
 def _take_while(gains: list[float], threshold: float) -> int:

@@ -26,7 +26,13 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
    rejection sampler only samples the bonus token, through that same sampler; 0.1-0.2 ms
    less per step on the CPU), and its spec-decode metadata is built directly
    (`no_draft_metadata`: the same tensors as `_calc_spec_decode_metadata`'s, in a third of its
-   time). `CPUModelRunner` subclasses `GPUModelRunner`.
+   time). Every MoA step drafts (`_input_fits_in_drafter` is true): vLLM's own test, that the
+   batch's longest sequence plus K fits the drafter's length, serves drafters that run the
+   whole batch at one length; when it fails, vLLM schedules K *zero tokens* as drafts for
+   every request in the batch (rejected, so lossless, but a verify step up to K + 1 times as
+   large, every step while any request is within K tokens of the model's length limit). Our
+   proposer caps each request's drafts at its own room instead. `CPUModelRunner` subclasses
+   `GPUModelRunner`.
 5. `VllmConfig.num_lookahead_tokens` is K for MoA, as for vLLM's EAGLE: the scheduler reserves
    KV slots for the drafted positions, where the proposer writes their SA (and TLI) K/V.
 6. Two bug fixes for speculative sampling on vLLM's CPU backend, for every speculative method,
@@ -380,9 +386,19 @@ def _patch_model_runner() -> None:
             return original_metadata(self, num_draft_tokens, cu_num_scheduled_tokens)
         return no_draft_metadata(cu_num_scheduled_tokens, self.input_ids.gpu)
 
+    original_fits = GPUModelRunner._input_fits_in_drafter
+
+    @functools.wraps(original_fits)
+    def _input_fits_in_drafter(self: Any, *args: Any, **kwargs: Any) -> bool:
+        spec = self.speculative_config
+        if spec is not None and spec.method == METHOD:
+            return True  # the proposer caps each request's drafts at its room (budget)
+        return original_fits(self, *args, **kwargs)
+
     __init__._vllm_moa = True  # type: ignore[attr-defined]
     GPUModelRunner.__init__ = __init__  # type: ignore[method-assign]
     GPUModelRunner._calc_spec_decode_metadata = _calc_spec_decode_metadata  # type: ignore[method-assign]
+    GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter  # type: ignore[method-assign]
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
     GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
     GPUModelRunner._sample = _sample  # type: ignore[method-assign]
