@@ -86,21 +86,26 @@ def test_rule_looks_past_a_first_draft_that_does_not_pay_for_the_fixed_cost():
 
 def test_tracker_learns_per_position_acceptance():
     never, always = AcceptanceTracker(K), AcceptanceTracker(K)
-    for _ in range(12):
+    # The first observations move the estimate most (the prior counts as `pseudo` of them).
+    never.observe(K, 0)
+    assert never.alpha[0] == pytest.approx(0.8 * (1 - 1 / (never.pseudo + 1)))
+    for _ in range(19):
         never.observe(K, 0)
         always.observe(K, K)
     start = never.prior.start
     assert never.alpha[0] < 0.05 and never.alpha[1:] == [start] * (K - 1)  # untested positions
     assert min(always.alpha) > 0.95
     assert always.expected_tokens(K) == pytest.approx(1 + sum(always.gains(K)))
-    # Steps without drafts pull the estimates back to the prior: the request is probed again.
-    low = never.alpha[0]
+    # Steps without drafts pull the estimates back to the prior (other requests fared better
+    # meanwhile), and the request's own evidence ages with them: it is probed again.
+    never.prior.alpha[0] = p0 = 0.5
+    low, seen = never.alpha[0], never.seen[0]
     for _ in range(50):
         never.observe(0, 0)
-    assert low < never.settle()[0] < start
+    assert low < never.settle()[0] < p0
     # Folded in lazily (an idle request costs O(1) a step), as 50 single steps would.
-    p0 = never.prior.alpha[0]
     assert never.alpha[0] == pytest.approx(p0 + (low - p0) * 0.98**50)
+    assert never.seen[0] == pytest.approx(seen * 0.98**50)
 
 
 def test_rule_drafts_the_budget_until_costs_are_known():
