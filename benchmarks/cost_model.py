@@ -1,5 +1,5 @@
 """GPU cost model at Llama-3-8B shapes (random bf16 weights): what one speculative cycle costs,
-and the speedup a drafter's measured tau buys at that cost (issue 5). One run, one JSON + PNG.
+and the speedup a drafter's measured tau buys at that cost. One run, one JSON + PNG.
 
     python -m benchmarks.cost_model --out benchmarks/results/cost_model_h200.json \
         --tau benchmarks/results/testbed_cpu_tree.json

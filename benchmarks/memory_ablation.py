@@ -1,4 +1,4 @@
-"""Which target information should the Cross-Attention memory hold? (issue 3's investigation)
+"""Which target information should the Cross-Attention memory hold?
 
     python -m benchmarks.memory_ablation --testbed ~/.cache/vllm_moa/testbed-cpu \
         --prompts ../shared/data/HumanEval.jsonl.gz \

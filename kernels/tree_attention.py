@@ -8,8 +8,8 @@ style); variable prefix and tree sizes across the batch.
 
 One program per (request, KV head, 64 rows), a row being a (node, query head) pair of that KV
 head's group: each K/V tile (64 keys; fp32 tiles are smaller, see `default_tiles`) is loaded once
-for the group, not once per query head (the design aims at issue 5's "<= 1.2x unmasked attention
-over the same tokens"; GPU timing in benchmarks/kernels_gpu.py). 16-bit inputs feed the tensor
+for the group, not once per query head (the design aims at "<= 1.2x unmasked attention over
+the same tokens"; GPU timing in benchmarks/kernels_gpu.py). 16-bit inputs feed the tensor
 cores as they are, and the probabilities are rounded to the input dtype for the P @ V product as
 flash attention does (fp32 inputs stay fp32 throughout).
 

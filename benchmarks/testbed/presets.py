@@ -107,10 +107,10 @@ PRESETS = {
     ),
 }
 # The cpu preset with a twice-deeper target: does LSA (reading every layer) gain on EAGLE and the
-# independent drafter when the target's features are less shallow? (issue 3's investigation)
+# independent drafter when the target's features are less shallow?
 PRESETS["cpu-deep"] = PRESETS["cpu"].replace(num_layers=8)
 # The cpu preset with one KV head (GQA 4:1, Llama-3-8B's 32:8): 2*E_kv = E/2 as at 8B, so LSA and
-# Ekv2E take 16% of the equal budget (the paper's 8B release: 14%; `cpu`: 38%). Issue 3's question:
+# Ekv2E take 16% of the equal budget (the paper's 8B release: 14%; `cpu`: 38%). The question:
 # does MoA pass EAGLE by the paper's margin when the target's KV width is in the paper's proportion?
 PRESETS["cpu-gqa4"] = PRESETS["cpu"].replace(num_kv_heads=1)
 # Both together (depth 8 and the 8B KV proportion): the closest this CPU gets to the gpu preset.

