@@ -67,7 +67,7 @@ SMOKE = Shape(512, 128, 256, 4, 2, 1, 64, 10000.0)
 def build_target(shape: Shape, device: str, dtype: torch.dtype) -> Any:
     import transformers as tf
 
-    from vllm_moa.target import HFTarget
+    from vllm_moa.hf_target import HFTarget
 
     config: Any = tf.LlamaConfig(  # type: ignore[call-arg]
         vocab_size=shape.vocab_size,

@@ -5,7 +5,7 @@
 For each kernel at real model shapes (Llama-3-8B, a Qwen2-7B-like 7-heads-per-group layout,
 Llama-3-70B's 64 heads, head size 64), each dtype (fp32, fp16, bf16) and each architecture
 (sm_90: H100/H200, sm_80: A100), the wrapper's default launch is built to a cubin as Triton's JIT
-would build it on that GPU (`vllm_moa.kernels.aot`): registers and spills per thread, dynamic
+would build it on that GPU (`benchmarks/triton_aot.py`): registers and spills per thread, dynamic
 shared memory against the per-block limit, tensor-core instructions in the SASS. Then the tile
 sweep of `benchmarks/kernels_gpu.py` (Llama-3-8B, bf16, sm_90), so a GPU session's timings can
 be read beside each setting's resources. A default build passes when it fits, spills nothing,
@@ -55,7 +55,7 @@ GATHER_SHAPES: dict[str, tuple[int, ...]] = {"llama3-8b": (32, 8, 128), "qwen2-7
 
 
 def layer_launch(shape: tuple[int, ...], dtype: torch.dtype, **tiles: int):
-    from vllm_moa.kernels import aot
+    from benchmarks import triton_aot as aot
     from vllm_moa.kernels import layer_attention as module
 
     h, hkv, layers, d = shape
@@ -66,8 +66,8 @@ def layer_launch(shape: tuple[int, ...], dtype: torch.dtype, **tiles: int):
     return launches[0]
 
 
-def tree_launch(shape: tuple[int, ...], dtype: torch.dtype, **tiles: int):
-    from vllm_moa.kernels import aot
+def tree_launch(shape: tuple[int, ...], dtype: torch.dtype, **tiles: Any):  # block_m, ...: int
+    from benchmarks import triton_aot as aot
     from vllm_moa.kernels import tree_attention as module
 
     h, hkv, d = shape
@@ -83,7 +83,7 @@ def tree_launch(shape: tuple[int, ...], dtype: torch.dtype, **tiles: int):
 
 
 def gather_launch(shape: tuple[int, ...], dtype: torch.dtype):
-    from vllm_moa.kernels import aot
+    from benchmarks import triton_aot as aot
     from vllm_moa.kernels import paged_layer_kv as module
 
     layers, hkv, d = shape
@@ -97,7 +97,7 @@ def gather_launch(shape: tuple[int, ...], dtype: torch.dtype):
 
 def built(make: Callable[[], Any], arch: int, **labels: Any) -> dict[str, Any]:
     """One build as a row; a build that fails to compile is a row with its error."""
-    from vllm_moa.kernels import aot
+    from benchmarks import triton_aot as aot
 
     row: dict[str, Any] = dict(labels)
     start = time.perf_counter()

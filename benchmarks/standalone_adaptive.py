@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.decoding import SpeculativeEngine, make_proposer
     from vllm_moa.decoding.adaptive import ADAPTIVE_ENV
-    from vllm_moa.target import HFTarget
+    from vllm_moa.hf_target import HFTarget
 
     os.environ[ADAPTIVE_ENV] = "1"  # the modes are chosen per call below
     torch.manual_seed(0)

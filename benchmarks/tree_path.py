@@ -76,8 +76,8 @@ def main() -> None:
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.decoding import SpeculativeEngine
+    from vllm_moa.hf_target import HFTarget
     from vllm_moa.model import MoADrafter
-    from vllm_moa.target import HFTarget
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from vllm_moa.checkpoint import load_drafter
 from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine
-from vllm_moa.target import HFTarget
+from vllm_moa.hf_target import HFTarget
 
 
 def main(target_dir: str, drafter_dir: str, prompt: str) -> None:

@@ -19,8 +19,8 @@ import pytest
 
 from vllm_moa.decoding import MoAProposer
 from vllm_moa.decoding.adaptive import StepCosts
+from vllm_moa.hf_target import HFTarget
 from vllm_moa.model import MoADrafter, TargetInfo, make_config
-from vllm_moa.target import HFTarget
 
 
 def make_hf_model(

@@ -5,7 +5,7 @@ import torch
 from conftest import OracleMoAProposer, make_drafter, make_hf_model
 
 from vllm_moa.decoding import MoAProposer, SpeculativeEngine
-from vllm_moa.target import HFTarget
+from vllm_moa.hf_target import HFTarget
 
 PROMPTS = [
     torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()

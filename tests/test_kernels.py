@@ -116,7 +116,6 @@ def test_vllm_gather_uses_the_paged_kernel_when_enabled(monkeypatch):
     gather returns."""
     pytest.importorskip("vllm")
     import vllm_moa.kernels.paged_layer_kv as kernel_module
-
     from vllm_moa.vllm_plugin.kv_reader import gather_layer_kv
 
     calls = []
@@ -295,8 +294,9 @@ def test_drafter_lsa_uses_the_kernel_when_enabled(llama_target, monkeypatch):
     """With VLLM_MOA_KERNELS=1 (here under the interpreter; `auto` picks it on CUDA), the LSA's
     layer-axis attention runs the Triton kernel when drafting and gives the memory the PyTorch
     path gives; training (gradients on) keeps the differentiable path."""
-    import vllm_moa.kernels.layer_attention as kernel_module
     from conftest import make_drafter
+
+    import vllm_moa.kernels.layer_attention as kernel_module
 
     calls = []
     real = kernel_module.layer_attention
@@ -336,7 +336,7 @@ def test_kernel_switch_rejects_unknown_values(monkeypatch):
 def _tree_target():
     from conftest import make_hf_model
 
-    from vllm_moa.target import HFTarget
+    from vllm_moa.hf_target import HFTarget
 
     target = HFTarget(make_hf_model(vocab_size=12, seed=11).to(DEVICE))
     target.config._attn_implementation = "sdpa"  # what HFTarget.from_pretrained loads
@@ -383,10 +383,10 @@ def test_tree_decoding_with_kernels_equals_plain_greedy(monkeypatch):
     assert engine.generate([1, 5, 3, 7], 16, tree=TreeParams(3, 2, 5)).token_ids == plain
 
 
-def test_a_plain_checkout_maps_kernels_like_an_install(tmp_path):
-    """Run from a source checkout that is not installed (as on a bare GPU machine), vllm_moa
-    provides vllm_moa.kernels from the repository's kernels/ folder, as pyproject maps it (this
-    venv's editable-install finder removed to see the plain checkout)."""
+def test_a_plain_checkout_imports_the_kernels(tmp_path):
+    """Run from a source checkout that is not installed (as on a bare GPU machine), the kernels
+    import from the package itself, with no mapping at import time (this venv's
+    editable-install finder removed to see the plain checkout)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -402,4 +402,4 @@ def test_a_plain_checkout_maps_kernels_like_an_install(tmp_path):
         [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert Path(done.stdout.strip()) == root / "kernels" / "tree_attention.py"
+    assert Path(done.stdout.strip()) == root / "vllm_moa" / "kernels" / "tree_attention.py"

@@ -62,7 +62,7 @@ def test_kernels_build_for_hopper_and_ampere(tmp_path):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels are compiled")
 def test_build_refuses_interpreted_kernels():
     """In an interpreting process the build says what to do instead of failing deep in Triton."""
-    from vllm_moa.kernels import aot
+    from benchmarks import triton_aot as aot
     from vllm_moa.kernels import paged_layer_kv as module
 
     caches = [torch.zeros(2, 1, 16, 32)]

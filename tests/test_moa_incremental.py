@@ -5,7 +5,7 @@ import torch
 from conftest import OracleMoAProposer, make_drafter
 
 from vllm_moa.decoding import SamplingParams, SpeculativeEngine
-from vllm_moa.target import HFTarget
+from vllm_moa.hf_target import HFTarget
 
 # fp32 tiny models; incremental vs recomputed differ by summation order only.
 TOL = dict(atol=1e-4, rtol=1e-4)

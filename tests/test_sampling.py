@@ -9,7 +9,7 @@ from scipy.stats import chi2
 
 from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine, Verdict
 from vllm_moa.decoding.sampling import probabilities, verify_rejection
-from vllm_moa.target import HFTarget
+from vllm_moa.hf_target import HFTarget
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@ import pytest
 import torch
 from conftest import make_hf_model
 
-from vllm_moa.target import HFTarget, check_supported
+from vllm_moa.hf_target import HFTarget, check_supported
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 # fp32 tiny models: cached vs full-sequence forwards differ only by summation order (~1e-6).

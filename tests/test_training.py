@@ -432,7 +432,7 @@ def test_ray_fan_out_builds_the_same_cache(tmp_path, tiny_target_dir):
     import ray
     from transformers import AutoTokenizer
 
-    from vllm_moa.target import HFTarget
+    from vllm_moa.hf_target import HFTarget
     from vllm_moa.training.feature_cache import FeatureCache
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_target_dir)
@@ -463,8 +463,8 @@ def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
     """MoAMethod(memory_layer=j) feeds a memory_source "hidden" drafter hidden_states[j] (the
     ablation in benchmarks/memory_ablation.py), and Trainer(make_method=...) trains a method
     built outside the product's --method choices."""
+    from vllm_moa.hf_target import HFTarget, load_target_info
     from vllm_moa.model import MoADrafter, make_config
-    from vllm_moa.target import HFTarget, load_target_info
     from vllm_moa.training import TrainConfig, Trainer
 
     info = load_target_info(tiny_target_dir)

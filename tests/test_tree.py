@@ -101,7 +101,7 @@ from conftest import make_drafter, make_hf_model  # noqa: E402
 
 from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine  # noqa: E402
 from vllm_moa.decoding.tree import TreeParams  # noqa: E402
-from vllm_moa.target import HFTarget  # noqa: E402
+from vllm_moa.hf_target import HFTarget  # noqa: E402
 
 
 def test_forward_tree_with_a_chain_equals_forward():

@@ -98,8 +98,8 @@ def _drafters(
     out: Path, cfg: TestbedConfig, corpus: list[Path], methods: list[str], device: str
 ) -> dict[str, dict[str, float]]:
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.hf_target import load_target_info
     from vllm_moa.model import count_parameters
-    from vllm_moa.target import load_target_info
     from vllm_moa.training import Trainer
 
     target_dir = out / "target"

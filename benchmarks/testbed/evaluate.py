@@ -15,7 +15,7 @@ from vllm_moa.checkpoint import load_drafter
 from vllm_moa.decoding import SpeculativeEngine, make_proposer
 from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.tree import TreeParams
-from vllm_moa.target import HFTarget
+from vllm_moa.hf_target import HFTarget
 
 
 def read_prompts(path: Path, limit: int, skip: int = 0) -> list[str]:

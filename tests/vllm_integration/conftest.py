@@ -23,8 +23,8 @@ def build_pair(base: Path) -> dict[str, Path]:
     """Target (briefly pretrained, so greedy text is repetitive enough for drafts to land) and
     MoA TLI=0 and TLI=1 drafters trained briefly against it."""
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.hf_target import load_target_info
     from vllm_moa.model import MoADrafter, make_config
-    from vllm_moa.target import load_target_info
     from vllm_moa.tiny import TinyTargetSpec, build_tiny_target, stdlib_sources
     from vllm_moa.training.pretrain import pretrain_target
 
@@ -131,7 +131,7 @@ def standalone_drafts(target_dir, drafter_dir, prompt_ids, max_tokens, k):
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.decoding import SpeculativeEngine
     from vllm_moa.decoding.factory import make_proposer
-    from vllm_moa.target.adapter import HFTarget
+    from vllm_moa.hf_target.adapter import HFTarget
 
     target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)
     drafter = load_drafter(drafter_dir, target=target.shape, dtype=torch.float32)

@@ -171,7 +171,7 @@ def _reference_chains(target_dir, drafter_dir, contexts, k):
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.decoding.factory import make_proposer
     from vllm_moa.decoding.sampling import SamplingParams
-    from vllm_moa.target.adapter import HFTarget
+    from vllm_moa.hf_target.adapter import HFTarget
 
     target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)
     drafter = load_drafter(drafter_dir, target=target.shape, dtype=torch.float32)

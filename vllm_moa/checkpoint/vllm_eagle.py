@@ -21,9 +21,9 @@ from vllm_moa.checkpoint.io import (
     load_config,
     load_drafter,
 )
+from vllm_moa.hf_target import load_target_info
 from vllm_moa.model.baselines import EagleConfig, EagleDrafter
 from vllm_moa.model.config import read_config_json
-from vllm_moa.target import load_target_info
 
 
 def _vllm_config(config: EagleConfig, target: dict[str, object], dtype: str) -> dict[str, object]:

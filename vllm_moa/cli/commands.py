@@ -24,8 +24,8 @@ def _runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
 
 def init_drafter(args: argparse.Namespace) -> int:
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.hf_target import load_target_info
     from vllm_moa.model import MoADrafter, count_parameters, make_config
-    from vllm_moa.target import load_target_info
 
     info = load_target_info(args.target)
     config = make_config(info, preset=args.preset, tli=args.tli)
@@ -76,7 +76,7 @@ def run_generation(
 
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.decoding import SamplingParams, SpeculativeEngine, make_proposer
-    from vllm_moa.target import HFTarget
+    from vllm_moa.hf_target import HFTarget
 
     sampling = sampling or SamplingParams()
     target = HFTarget.from_pretrained(target_dir, dtype=dtype, device=device)
@@ -174,7 +174,7 @@ def generate(args: argparse.Namespace) -> int:
 
 def convert(args: argparse.Namespace) -> int:
     from vllm_moa.checkpoint import ConvertOptions, convert_official
-    from vllm_moa.target import load_target_info
+    from vllm_moa.hf_target import load_target_info
 
     target = load_target_info(args.target).shape if args.target else None
     opts = ConvertOptions(

@@ -8,10 +8,10 @@ from vllm_moa.decoding.baseline_trees import EagleTreeDrafter, IndependentTreeDr
 from vllm_moa.decoding.proposer import DraftProposal, choose_token
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.masks import causal_mask
-from vllm_moa.target.adapter import HFTarget, TargetOutput
 
 
 def _proposal(

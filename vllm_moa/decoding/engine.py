@@ -26,7 +26,7 @@ from vllm_moa.decoding.sampling import (
 )
 from vllm_moa.decoding.stats import GenerationStats
 from vllm_moa.decoding.tree import TreeParams, verify_tree_greedy, verify_tree_sampling
-from vllm_moa.target.adapter import HFTarget, TargetOutput
+from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 
 RejectionVerifier = Callable[
     [list[int], torch.Tensor, torch.Tensor, "torch.Generator | None"], Verdict

@@ -7,9 +7,9 @@ from torch import nn
 from vllm_moa.decoding.baseline_proposers import EagleProposer, IndependentProposer
 from vllm_moa.decoding.moa_proposer import MoAProposer
 from vllm_moa.decoding.proposer import Proposer
+from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.moa import MoADrafter
-from vllm_moa.target.adapter import HFTarget
 
 
 def make_proposer(drafter: nn.Module, target: HFTarget) -> Proposer:

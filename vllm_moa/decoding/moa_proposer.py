@@ -20,10 +20,10 @@ from vllm_moa.decoding.moa_tree import MoATreeDrafter
 from vllm_moa.decoding.proposer import DraftProposal, choose_token
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.layers import masked_attention
 from vllm_moa.model.moa import MoADrafter
-from vllm_moa.target.adapter import HFTarget, TargetOutput
 
 
 class MoAProposer:

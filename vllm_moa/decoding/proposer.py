@@ -9,7 +9,7 @@ import torch
 
 from vllm_moa.decoding.sampling import SamplingParams, probabilities, sample
 from vllm_moa.decoding.tree import DraftTree
-from vllm_moa.target.adapter import TargetOutput
+from vllm_moa.hf_target.adapter import TargetOutput
 
 
 @dataclass

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.model.masks import bounded_memory_limits
-from vllm_moa.target.adapter import HFTarget
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl

@@ -19,7 +19,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from vllm_moa.target.adapter import HFTarget, TargetOutput
+from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.training.data import Example, collate
 
 META = "meta.json"

@@ -14,9 +14,9 @@ from typing import Generic, Protocol, TypeVar
 import torch
 from torch import nn
 
+from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.moa import MoADrafter
-from vllm_moa.target.adapter import HFTarget, TargetOutput
 from vllm_moa.training.data import Batch
 from vllm_moa.training.tail import run_aligned_tail
 

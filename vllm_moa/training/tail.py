@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moa.target.adapter import HFTarget, split_kv
+from vllm_moa.hf_target.adapter import HFTarget, split_kv
 
 
 class PrefixKV:

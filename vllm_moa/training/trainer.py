@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_moa.devices import training_autocast
-from vllm_moa.target.adapter import HFTarget, TargetOutput
+from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_examples
 from vllm_moa.training.distributed import DistContext

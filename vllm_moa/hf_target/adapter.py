@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
+from vllm_moa.hf_target import tree_kernel
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.layers import use_kernels
-from vllm_moa.target import tree_kernel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED_MODULES = (

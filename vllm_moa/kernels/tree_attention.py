@@ -21,6 +21,7 @@ prefix_lens [B]. Output [B, M, H, D] (rows >= num_nodes[b] are zeros).
 from __future__ import annotations
 
 import torch
+
 from vllm_moa.kernels.common import LOG2_E, check_tile, dot_precision
 
 try:

@@ -12,6 +12,7 @@ fp32 throughout).
 from __future__ import annotations
 
 import torch
+
 from vllm_moa.kernels.common import LOG2_E, check_tile, dot_precision
 
 try:

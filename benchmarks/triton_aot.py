@@ -116,7 +116,7 @@ def build(launch: Launch, arch: int = 90) -> Build:
         from triton.runtime.jit import JITFunction, create_function_from_signature
     except ImportError as e:
         raise RuntimeError(
-            f"vllm_moa.kernels.aot uses Triton's JIT internals of Triton 3.6-3.9; this is Triton "
+            f"benchmarks.triton_aot uses Triton's JIT internals of Triton 3.6-3.9; this is Triton "
             f"{triton.__version__} ({e})"
         ) from e
     if arch not in SHARED_LIMIT:
