@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "HumanEval.jsonl.gz"
+PROMPTS = Path(__file__).resolve().parent / "data" / "humaneval_prompts.jsonl"
 
 
 @pytest.mark.slow
@@ -15,12 +15,7 @@ def test_testbed_ci_preset(tmp_path):
     from benchmarks.testbed.__main__ import main
     from benchmarks.testbed.drafters import METHODS, SLIM_METHODS
 
-    prompts = SHARED
-    if not prompts.is_file():  # outside this workspace: two prompts of the same format
-        prompts = tmp_path / "prompts.jsonl.gz"
-        with gzip.open(prompts, "wt") as f:
-            for p in ("def add(a, b):\n", "def is_even(n):\n"):
-                f.write(json.dumps({"prompt": p}) + "\n")
+    prompts = PROMPTS
     results = tmp_path / "results.json"
     assert (
         main(

