@@ -1,0 +1,197 @@
+"""One machine-readable index of the benchmark results, and the docs' tables generated from them.
+
+    python -m benchmarks.results_index            # rewrite benchmarks/results/index.jsonl and
+                                                  # every generated table in the docs
+    python -m benchmarks.results_index --check    # exit 1 if either is stale (a test runs this)
+
+`index.jsonl` has one row per results file: the file, the benchmark, the git SHA and machine it
+ran on, its configuration (scalar settings; lists joined) and its key figures (`figures`: a flat
+name -> number map, e.g. `moa_k4_adaptive@b16` -> speed-up over plain).
+
+A table in a markdown file is generated when it sits between two markers naming a results file:
+
+    <!-- results-table: serve_sweep_cpu_inflated -->
+    | ... generated ... |
+    <!-- /results-table -->
+
+The table's columns follow the benchmark (`TABLES`); prose around it stays hand-written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+INDEX = RESULTS / "index.jsonl"
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "benchmarks" / "TESTBED.md",
+]
+MARKER = re.compile(
+    r"(<!-- results-table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results-table -->)", re.S
+)
+
+
+def _num(x: Any, digits: int = 3) -> Any:
+    return round(x, digits) if isinstance(x, float) else x
+
+
+def _figures(data: dict[str, Any]) -> dict[str, Any]:
+    """The key figures of one results file, by benchmark."""
+    kind, rows = data.get("benchmark"), data.get("results")
+    out: dict[str, Any] = {}
+    if kind == "throughput":
+        for r in rows:
+            out[f"{r['method']}@b{r['batch_size']}"] = _num(r["speedup_vs_plain"])
+    elif kind == "serve_sweep":
+        plain = {
+            r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"
+        }
+        for r in rows:
+            rate = r["request_rate"]
+            out[f"{r['method']}@{rate}"] = _num(r["output_tokens_per_s"] / plain[rate])
+    elif kind == "standalone_adaptive":
+        for r in rows:
+            out[f"{Path(r['drafter']).name}/{r['mode']}"] = _num(r["vs_plain"])
+    elif kind == "testbed":
+        for method, r in rows.items():
+            for k, v in r.items() if method != "plain" else []:
+                if isinstance(v, dict) and "tau" in v:
+                    out[f"{method}@{k}"] = _num(v["tau"])
+    return out
+
+
+def _config(data: dict[str, Any]) -> dict[str, Any]:
+    config = data.get("config") or {}
+    if not isinstance(config, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for key, value in sorted(config.items()):
+        if isinstance(value, list):
+            value = " ".join(map(str, value))
+        if value is None or isinstance(value, str | int | float | bool):
+            out[key] = value
+    if "preset" in data and isinstance(data["preset"], str):
+        out.setdefault("preset", data["preset"])
+    return out
+
+
+def index_rows() -> list[dict[str, Any]]:
+    rows = []
+    for path in sorted(RESULTS.glob("*.json")):
+        data = json.loads(path.read_text())
+        machine = data.get("machine") or {}
+        rows.append(
+            {
+                "file": path.name,
+                "benchmark": data.get("benchmark"),
+                "git_sha": data.get("git_sha"),
+                "machine": {
+                    k: machine.get(k) for k in ("cpu_count", "torch", "gpu") if k in machine
+                },
+                "config": _config(data),
+                "figures": _figures(data),
+            }
+        )
+    return rows
+
+
+def render_index() -> str:
+    return "".join(json.dumps(row, sort_keys=True) + "\n" for row in index_rows())
+
+
+# -- generated tables ------------------------------------------------------------------------
+
+
+def _throughput(data: dict[str, Any]) -> Iterator[list[Any]]:
+    yield ["batch", "method", "tok/s", "vs plain", "tau"]
+    for r in sorted(data["results"], key=lambda r: r["batch_size"]):
+        tau = f"{r['tau']:.2f}" if "tau" in r else ""
+        yield [r["batch_size"], r["method"], f"{r['output_tokens_per_s']:.1f}",
+               f"{r['speedup_vs_plain']:.2f}x", tau]  # fmt: skip
+
+
+def _serve_sweep(data: dict[str, Any]) -> Iterator[list[Any]]:
+    yield ["requests/s", "arm", "output tok/s", "vs plain", "TTFT p50 (ms)", "TPOT p50 (ms)",
+           "latency p50 / p99 (s)", "tau"]  # fmt: skip
+    rows = data["results"]
+    rates = list(dict.fromkeys(r["request_rate"] for r in rows))
+    plain = {r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
+    for rate in rates:
+        for r in (r for r in rows if r["request_rate"] == rate):
+            yield [
+                "all at once" if rate == "inf" else rate,
+                r["method"],
+                f"{r['output_tokens_per_s']:.1f}",
+                f"{r['output_tokens_per_s'] / plain[rate]:.2f}",
+                f"{r['ttft_p50_ms']:.0f}",
+                f"{r['tpot_p50_ms']:.1f}",
+                f"{r['e2e_latency_p50_ms'] / 1e3:.2f} / {r['e2e_latency_p99_ms'] / 1e3:.2f}",
+                f"{r['tau']:.2f}" if "tau" in r else "",
+            ]
+
+
+def _standalone(data: dict[str, Any]) -> Iterator[list[Any]]:
+    yield ["drafter", "mode", "tok/s", "vs plain", "tau"]
+    for r in data["results"]:
+        tau = f"{r['tau']:.2f}" if r.get("tau") else ""
+        yield [Path(r["drafter"]).name, r["mode"], f"{r['tokens_per_s']:.1f}",
+               f"{r['vs_plain']:.2f}x", tau]  # fmt: skip
+
+
+TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
+    "throughput": _throughput,
+    "serve_sweep": _serve_sweep,
+    "standalone_adaptive": _standalone,
+}
+
+
+def render_table(name: str) -> str:
+    path = RESULTS / f"{name}.json"
+    if not path.is_file():
+        raise SystemExit(f"results-table marker names {name!r}, but {path} does not exist")
+    data = json.loads(path.read_text())
+    make = TABLES.get(data.get("benchmark", ""))
+    if make is None:
+        raise SystemExit(f"no table layout for benchmark {data.get('benchmark')!r} ({name})")
+    header, *body = list(make(data))
+    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in body]
+    return "\n".join(lines) + "\n"
+
+
+def render_doc(text: str) -> str:
+    return MARKER.sub(lambda m: m.group(1) + render_table(m.group("name")) + m.group(4), text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="fail if the index or a table is stale")
+    args = p.parse_args(argv)
+    stale = []
+    wanted = {INDEX: render_index()}
+    for doc in DOCS:
+        if doc.is_file():
+            wanted[doc] = render_doc(doc.read_text())
+    for path, text in wanted.items():
+        if not path.is_file() or path.read_text() != text:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(text)
+    if args.check and stale:
+        names = ", ".join(map(str, stale))
+        print(f"stale: {names}; run `python -m benchmarks.results_index`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,13 @@
+"""The results index and the docs' generated tables are up to date with benchmarks/results/."""
+
+from benchmarks.results_index import main, render_index
+
+
+def test_index_and_generated_tables_are_fresh():
+    assert main(["--check"]) == 0, "run `python -m benchmarks.results_index`"
+
+
+def test_index_has_a_row_per_results_file_with_key_figures():
+    rows = [line for line in render_index().splitlines() if line]
+    sweep = next(r for r in rows if '"file": "serve_sweep_cpu_inflated.json"' in r)
+    assert '"moa_tli0@inf"' in sweep and '"git_sha"' in sweep
