@@ -46,7 +46,8 @@ def _num(x: Any, digits: int = 3) -> Any:
 
 def _figures(data: dict[str, Any]) -> dict[str, Any]:
     """The key figures of one results file, by benchmark."""
-    kind, rows = data.get("benchmark"), data.get("results")
+    kind = data.get("benchmark")
+    rows: Any = data.get("results") or []
     out: dict[str, Any] = {}
     if kind == "throughput":
         for r in rows:
