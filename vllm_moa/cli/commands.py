@@ -218,40 +218,14 @@ def inflate(args: argparse.Namespace) -> int:
 
 
 def train(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from vllm_moa.devices import resolve_device
     from vllm_moa.training import TrainConfig, Trainer
 
-    device = resolve_device(args.device)
-    cfg = TrainConfig(
-        target=args.target,
-        data=tuple(args.data),
-        out=args.out,
-        max_steps=args.max_steps,
-        drafter=args.drafter,
-        method=args.method,
-        preset=args.preset,
-        tli=args.tli,
-        memory_source=args.memory_source,
-        seed=args.seed,
-        lr=args.lr,
-        batch_size=args.batch_size,
-        grad_accum=args.grad_accum,
-        max_length=args.max_length,
-        warmup_steps=args.warmup_steps,
-        kl_weight=args.kl_weight,
-        feature_weight=args.feature_weight,
-        refresh_min=args.refresh_min,
-        refresh_max=args.refresh_max,
-        sa_staircase=args.sa_staircase,
-        save_every=args.save_every,
-        log_every=args.log_every,
-        eval_every=args.eval_every,
-        eval_examples=args.eval_examples,
-        resume=args.resume,
-        offline_cache=args.offline_cache,
-        cache_workers=args.cache_workers,
-        device=device,
-    )
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    values.update(data=tuple(args.data), device=resolve_device(args.device))
+    cfg = TrainConfig(**values)
     out = Trainer(cfg).train()
     print(f"trained drafter written to {out}")
     return 0

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
+import types
+import typing
 from collections.abc import Sequence
+from typing import Any, Literal
 
 from vllm_moa.cli import commands
+from vllm_moa.training.config import TrainConfig
 
 
 def positive_int(text: str) -> int:
@@ -24,6 +29,42 @@ def non_negative_int(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of the dataclass `cls`: `--name-with-dashes`, its type from the field's
+    annotation (`Literal[...]`: choices; `bool`: store_true; `X | None`: X; `tuple[X, ...]`:
+    one or more X), required without a default, and from its `metadata`: `help`, `min` (an int's
+    lower bound, 0 or 1), `group` (a mutually exclusive group) and `cli_default`."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for field in dataclasses.fields(cls):
+        meta = field.metadata
+        kind: Any = hints[field.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):  # X | None
+            (kind,) = [a for a in typing.get_args(kind) if a is not type(None)]
+        origin, args = typing.get_origin(kind), typing.get_args(kind)
+        kwargs: dict[str, Any] = {"help": meta.get("help")}
+        if kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
+        elif origin is Literal:
+            kwargs["choices"] = list(args)
+        elif origin in (tuple, list):
+            kwargs.update(nargs="+", type=args[0])
+        elif kind is int and "min" in meta:
+            kwargs["type"] = {0: non_negative_int, 1: positive_int}[meta["min"]]
+        else:
+            kwargs["type"] = kind
+        if field.default is dataclasses.MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = meta.get("cli_default", field.default)
+        where: Any = parser
+        if "group" in meta:
+            if meta["group"] not in groups:
+                groups[meta["group"]] = parser.add_mutually_exclusive_group()
+            where = groups[meta["group"]]
+        where.add_argument("--" + field.name.replace("_", "-"), **kwargs)
 
 
 def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
@@ -87,53 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.convert)
 
     p = sub.add_parser("train", help="distil a drafter (MoA or a baseline) against a target")
-    p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--drafter", default=None, help="drafter directory to start from")
-    src.add_argument("--method", choices=["moa", "eagle", "independent"], default="moa")
-    p.add_argument("--tli", type=non_negative_int, default=0)
-    p.add_argument("--preset", choices=["small", "paper"], default="small")
-    p.add_argument("--memory-source", choices=["lsa", "hidden"], default="lsa")
-    p.add_argument(
-        "--data", nargs="+", required=True, help="JSONL (chat/prompt-response/text) or text files"
-    )
-    p.add_argument("--out", required=True, help="output directory (drafter in OUT/drafter)")
-    p.add_argument("--max-steps", type=positive_int, required=True)
-    p.add_argument("--save-every", type=non_negative_int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    p.add_argument(
-        "--offline-cache",
-        default=None,
-        help="directory for the target's features: computed once, then training reads them",
-    )
-    p.add_argument(
-        "--cache-workers",
-        type=positive_int,
-        default=1,
-        help="build the offline cache with N Ray tasks (one GPU each); needs `pip install ray`",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--batch-size", type=positive_int, default=8)
-    p.add_argument("--grad-accum", type=positive_int, default=1)
-    p.add_argument("--max-length", type=positive_int, default=512)
-    p.add_argument("--warmup-steps", type=non_negative_int, default=20)
-    p.add_argument("--kl-weight", type=float, default=0.1)
-    p.add_argument("--feature-weight", type=float, default=1.0)
-    p.add_argument(
-        "--refresh-min",
-        type=positive_int,
-        default=5,
-        help="MoA: the Cross-Attention's memory is K-step bounded, K ~ U[min, max] per sequence "
-        "(the paper's 5..15); a top near the drafting depth (e.g. 3..8 for depth 6) can raise "
-        "the first draft's acceptance (benchmarks/TESTBED.md, 'The training K range')",
-    )
-    p.add_argument("--refresh-max", type=positive_int, default=15)
-    p.add_argument("--sa-staircase", action="store_true")
-    p.add_argument("--log-every", type=positive_int, default=10)
-    p.add_argument("--eval-every", type=non_negative_int, default=0)
-    p.add_argument("--eval-examples", type=non_negative_int, default=32)
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_dataclass_flags(p, TrainConfig)
     p.set_defaults(func=commands.train)
 
     p = sub.add_parser(

@@ -70,7 +70,11 @@ def compute_loss(
 
 
 def lr_factor(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at max_steps."""
+    """Linear warmup to lr, then cosine decay to lr * min_lr_ratio at max_steps.
+
+    Not transformers' get_cosine_with_min_lr_schedule_with_warmup: its decay is the same to the
+    bit, but its warmup is step / warmup_steps (a first step at lr 0) where this one's is
+    (step + 1) / warmup_steps, and checkpoints resume onto this schedule."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     span = max(1, cfg.max_steps - cfg.warmup_steps)
