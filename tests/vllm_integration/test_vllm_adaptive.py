@@ -91,6 +91,22 @@ def test_drafts_that_land_are_kept_when_drafting_is_cheap(moa_pair, plain, monke
     assert adaptive < 0.5 * fixed, (adaptive, fixed)
 
 
+def test_vllms_batch_size_schedule_caps_the_drafts(moa_pair, plain):
+    """vLLM's dynamic speculation schedule (`num_speculative_tokens_per_batch_size`) is
+    honoured per step: 20 concurrent requests at a fixed K=4, capped at 1 draft for batches of
+    9-64 (then at 4 once fewer than 9 remain), or at 0: outputs stay plain decoding's."""
+    fixed, _ = drafting(moa_pair, moa_pair["tli0"], plain, moa_adaptive=False)
+    schedule = [[1, 8, 4], [9, 64, 1]]
+    capped, _ = drafting(
+        moa_pair, moa_pair["tli0"], plain, moa_adaptive=False,
+        num_speculative_tokens_per_batch_size=schedule,
+    )  # fmt: skip
+    off, _ = drafting(
+        moa_pair, moa_pair["tli0"], plain, num_speculative_tokens_per_batch_size=[[1, 64, 0]]
+    )
+    assert fixed > 2.5 and 0 < capped <= 1.0 and off == 0, (fixed, capped, off)
+
+
 def test_seeded_sampled_requests_get_no_drafts_and_repeat_plain_text(moa_pair, monkeypatch):
     """Seeded requests at temperature > 0 are decoded without drafts under adaptive lengths
     (their draws would follow measured times): plain decoding's text for the seed, every time;

@@ -94,6 +94,19 @@ def test_moa_adaptive_key(moa_pair):
         _engine_config(moa_pair["target"], {**ngram, "moa_adaptive": False})
 
 
+def test_batch_size_schedule_is_checked_in_the_config_step(moa_pair):
+    """vLLM's dynamic speculation schedule: parsed and normalised by vLLM's own validator for
+    MoA (which honours it per step), a bad entry refused by name, a cap above K refused."""
+    base = {"method": "moa", "model": str(moa_pair["tli0"]), "num_speculative_tokens": 3}
+    key = "num_speculative_tokens_per_batch_size"
+    spec = _engine_config(moa_pair["target"], {**base, key: [[9, 64, 1], [1, 8, 3]]})
+    assert spec.speculative_config.num_speculative_tokens_per_batch_size == [(1, 8, 3), (9, 64, 1)]
+    with pytest.raises(Exception, match=r"num_speculative_tokens_per_batch_size: Batch-size range"):
+        _engine_config(moa_pair["target"], {**base, key: [[0, 8, 1]]})
+    with pytest.raises(Exception, match=r"caps batch sizes 1-8 at 5 drafts, above .*=3"):
+        _engine_config(moa_pair["target"], {**base, key: [[1, 8, 5]]})
+
+
 def test_method_recognised_from_drafter_config(moa_pair):
     config = _engine_config(moa_pair["target"], {"model": str(moa_pair["tli0"]),
                                                  "num_speculative_tokens": 3})  # fmt: skip

@@ -13,8 +13,9 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
 2. `SpeculativeConfig.__post_init__` recognises a MoA drafter directory when `method` is omitted,
    validates it before any engine starts (parallelism refused first; the drafter's config,
    target shape and weights file header checked against the target, one clear error each; a
-   warning when K exceeds the chains it was trained for), and lets vLLM's `custom_class` branch
-   fill in the rest. Its `__repr__` (the engine's config line) names the drafter.
+   warning when K exceeds the chains it was trained for; vLLM's dynamic speculation schedule
+   parsed by vLLM's own validator, for the proposer to honour), and lets vLLM's `custom_class`
+   branch fill in the rest. Its `__repr__` (the engine's config line) names the drafter.
 3. `VllmConfig._get_v2_model_runner_unsupported_features` lists MoA, so vLLM selects the V1 model
    runner (or, if V2 is forced, refuses with its own clear message: no silent fallback).
 4. `GPUModelRunner.__init__` builds our proposer through the `custom_class` branch, and
@@ -170,6 +171,27 @@ def check_parallelism(parallel: Any) -> None:
         )
 
 
+def check_batch_size_schedule(schedule: object, k: int) -> list[tuple[int, int, int]]:
+    """vLLM's dynamic speculation schedule, `num_speculative_tokens_per_batch_size`: a list of
+    (first batch size, last batch size, drafts) caps each step's drafts for MoA (the V1 runner
+    ignores it for vLLM's own methods). Validated by vLLM's own parser; caps above
+    `num_speculative_tokens` (the lookahead slots are sized by it) are refused."""
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    try:
+        parsed = validate_and_normalize_dynamic_sd_schedule(schedule)
+    except ValueError as e:
+        raise ValueError(f"num_speculative_tokens_per_batch_size: {e}") from None
+    for start, end, drafts in parsed:
+        if drafts > k:
+            raise ValueError(
+                f"num_speculative_tokens_per_batch_size caps batch sizes {start}-{end} at {drafts} "
+                f"drafts, above num_speculative_tokens={k}: raise num_speculative_tokens to the "
+                "schedule's largest value (it is the most a step drafts), or lower the entry"
+            )
+    return parsed
+
+
 def warn_chain_length(drafter_dir: str, k: int) -> None:
     """A warning when K lies outside the chain lengths the drafter was trained for."""
     import logging
@@ -270,6 +292,10 @@ def _patch_speculative_post_init() -> None:
                 f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}"
             )
         warn_chain_length(drafter_dir, int(self.num_speculative_tokens))
+        if self.num_speculative_tokens_per_batch_size is not None:
+            self.num_speculative_tokens_per_batch_size = check_batch_size_schedule(
+                self.num_speculative_tokens_per_batch_size, int(self.num_speculative_tokens)
+            )
         self.model = drafter_dir
         with shown_as_custom_class(self):
             original(self)

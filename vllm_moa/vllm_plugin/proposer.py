@@ -96,6 +96,9 @@ class MoAVllmProposer:
         self.vllm_config = vllm_config
         spec = vllm_config.speculative_config
         self.num_speculative_tokens = int(spec.num_speculative_tokens)
+        # vLLM's dynamic speculation schedule (validated in the config step): the most a step
+        # drafts at each batch size; adaptive speculation chooses within it.
+        self.schedule = list(getattr(spec, "num_speculative_tokens_per_batch_size", None) or [])
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
@@ -200,7 +203,7 @@ class MoAVllmProposer:
         lengths: list[int] = []
         states: list[RequestState] = []
         # Every step visits every request: locals keep the loop cheap at large batches.
-        k, max_len = self.num_speculative_tokens, self.max_model_len
+        k, max_len = self.step_cap(len(req_ids)), self.max_model_len
         known, requests = self.states, runner.requests
         seeded = batch.generators if self.adaptive else {}
         num_tokens = batch.num_tokens_no_spec
@@ -262,6 +265,14 @@ class MoAVllmProposer:
                     toks = batch.token_ids_cpu[row, :n].tolist()
                     f.write(json.dumps({"tokens": toks, "drafts": drafts[row]}) + "\n")
         return drafts
+
+    def step_cap(self, batch_size: int) -> int:
+        """Drafts per request at most this step: the schedule's entry for the batch size, else
+        num_speculative_tokens."""
+        for start, end, drafts in self.schedule:
+            if start <= batch_size <= end:
+                return int(drafts)
+        return self.num_speculative_tokens
 
     def _cache_bound(self) -> bool:
         """Whether vLLM has bound the KV caches (not yet during its profiling run); once they
