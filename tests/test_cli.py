@@ -206,7 +206,8 @@ def test_console_script_end_to_end(tiny_target_dir, drafter_dir, tmp_path):
 
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path, capsys):
-    from vllm_moa.demo import DemoRecipe, ensure_demo_models, run_demo
+    from vllm_moa.cli.commands import run_demo
+    from vllm_moa.demo import DemoRecipe, ensure_demo_models
 
     recipe = DemoRecipe(
         target_steps=4,

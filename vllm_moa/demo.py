@@ -75,37 +75,3 @@ def ensure_demo_models(
     ).train()
     (base / _DONE).write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     return target_dir, drafter_dir
-
-
-def run_demo(
-    cache_dir: str | None,
-    prompt: str,
-    max_new_tokens: int,
-    num_speculative_tokens: int,
-    recipe: DemoRecipe | None = None,
-) -> int:
-    from vllm_moa.cli.commands import _print_stats, run_generation
-
-    target_dir, drafter_dir = ensure_demo_models(cache_dir, recipe)
-    print(f"target:  {target_dir}\ndrafter: {drafter_dir}\nprompt:  {prompt!r}\n")
-    runs = {}
-    for name, drafter in (("plain", None), ("moa", str(drafter_dir))):
-        runs[name] = record = run_generation(
-            str(target_dir),
-            drafter,
-            prompt,
-            max_new_tokens=max_new_tokens,
-            num_speculative_tokens=num_speculative_tokens,
-        )
-        print(f"--- {name} decoding (greedy) ---")
-        print(record["text"])
-        _print_stats(record)
-        print()
-    same = runs["plain"]["token_ids"] == runs["moa"]["token_ids"]
-    print(f"speculative output identical to plain greedy decoding: {same}")
-    print(
-        f"target calls: {runs['plain']['target_calls']} plain -> {runs['moa']['target_calls']} "
-        f"with MoA (tau={runs['moa']['mean_accepted_length']:.2f}); wall-clock speed on a CPU "
-        "with models this small is dominated by Python overhead, so read tau, not tok/s."
-    )
-    return 0 if same else 1
