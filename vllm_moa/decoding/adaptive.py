@@ -55,7 +55,7 @@ class AcceptancePrior:
     k_max: int
     # Optimistic: positions never drafted look worth a try (then measured, and corrected).
     start: float = 0.8
-    weight: float = 0.02  # of a new observation, in the long run (see `weights`)
+    weight: float = 0.02  # of a new observation, in the long run (see `_update`)
     pseudo: float = 1.0  # the start counts as this many observations
     alpha: list[float] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)  # observations per position (aged)
@@ -408,8 +408,9 @@ def _best_lengths(
         rate = expected / max(costs.step_time(n_req + drafts, m, drafts), 1e-12)
         if rate > best_rate * (1.0 + 1e-9):
             best_rate, best_m, best_lengths = rate, m, lengths
-    for (i, _), n in zip(candidates, best_lengths, strict=False):
-        ks[i] = min(n, best_m)
+    if best_m:
+        for (i, _), n in zip(candidates, best_lengths, strict=True):
+            ks[i] = min(n, best_m)
     return ks
 
 

@@ -157,6 +157,11 @@ def resolve_moa_drafter(model: object, target_hf_config: Any = None) -> str:
     return str(path.resolve())
 
 
+def is_moa(spec: Any) -> bool:
+    """Whether a (possibly absent) SpeculativeConfig is MoA's."""
+    return spec is not None and spec.method == METHOD
+
+
 def check_parallelism(parallel: Any) -> None:
     """MoA runs with one worker per model: refuse tensor / pipeline parallelism up front."""
     if parallel is None:
@@ -329,8 +334,7 @@ def _patch_v2_runner_features() -> None:
     @functools.wraps(original)
     def unsupported(self: Any) -> list[str]:
         out = list(original(self))
-        spec = self.speculative_config
-        if spec is not None and spec.method == METHOD:
+        if is_moa(self.speculative_config):
             out.append('speculative method "moa" (vllm_moa runs on the V1 model runner)')
         return out
 
@@ -363,7 +367,7 @@ def _patch_model_runner() -> None:
     @functools.wraps(original_init)
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         spec = vllm_config.speculative_config
-        if spec is None or spec.method != METHOD:
+        if not is_moa(spec):
             original_init(self, vllm_config, *args, **kwargs)
             return
         with shown_as_custom_class(spec):
@@ -373,8 +377,7 @@ def _patch_model_runner() -> None:
     def propose_draft_token_ids(
         self: Any, scheduler_output: Any, sampled_token_ids: Any, *args: Any, **kwargs: Any
     ) -> Any:
-        spec = self.speculative_config
-        if spec is None or spec.method != METHOD:
+        if not is_moa(self.speculative_config):
             return original_propose(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         return self.drafter.propose_in_runner(self, scheduler_output, sampled_token_ids)
 
@@ -391,10 +394,8 @@ def _patch_model_runner() -> None:
 
     @functools.wraps(original_sample)
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
-        spec = self.speculative_config
         if (
-            spec is not None
-            and spec.method == METHOD
+            is_moa(self.speculative_config)
             and spec_decode_metadata is not None
             and spec_decode_metadata.max_spec_len == 0
         ):
@@ -407,8 +408,7 @@ def _patch_model_runner() -> None:
     def _calc_spec_decode_metadata(
         self: Any, num_draft_tokens: Any, cu_num_scheduled_tokens: Any
     ) -> Any:
-        spec = self.speculative_config
-        if spec is None or spec.method != METHOD or num_draft_tokens.any():
+        if not is_moa(self.speculative_config) or num_draft_tokens.any():
             return original_metadata(self, num_draft_tokens, cu_num_scheduled_tokens)
         return no_draft_metadata(cu_num_scheduled_tokens, self.input_ids.gpu)
 
@@ -416,8 +416,7 @@ def _patch_model_runner() -> None:
 
     @functools.wraps(original_fits)
     def _input_fits_in_drafter(self: Any, *args: Any, **kwargs: Any) -> bool:
-        spec = self.speculative_config
-        if spec is not None and spec.method == METHOD:
+        if is_moa(self.speculative_config):
             return True  # the proposer caps each request's drafts at its room (budget)
         return original_fits(self, *args, **kwargs)
 
@@ -463,9 +462,8 @@ def _patch_lookahead() -> None:
 
     @functools.wraps(original.fget)
     def num_lookahead_tokens(self: Any) -> int:
-        spec = self.speculative_config
-        if spec is not None and spec.method == METHOD:
-            return int(spec.num_speculative_tokens)
+        if is_moa(self.speculative_config):
+            return int(self.speculative_config.num_speculative_tokens)
         return int(original.fget(self))
 
     num_lookahead_tokens._vllm_moa = True  # type: ignore[attr-defined]

@@ -86,7 +86,6 @@ class RequestState:
     block_ids: Any  # the runner's CachedRequestState.block_ids the pages were written for
     written: int = 0  # positions 0..written-1 (verified tokens) have memory + SA rows
     tracker: AcceptanceTracker | None = None  # adaptive speculation: its acceptance so far
-    proposed: int = 0  # drafts returned for it last step (acceptance is learnt from ours only)
 
 
 class MoAVllmProposer:
@@ -232,8 +231,6 @@ class MoAVllmProposer:
             ks = self._choose(
                 runner, scheduler_output, req_ids, rows, states, budgets, lengths, sampled_token_ids
             )
-            for state in states:
-                state.proposed = 0
             keep = [i for i, k in enumerate(ks) if k > 0]
             rows, states = [rows[i] for i in keep], [states[i] for i in keep]
             budgets, lengths = [ks[i] for i in keep], [lengths[i] for i in keep]
@@ -255,9 +252,8 @@ class MoAVllmProposer:
             self.lengths.costs.observe_draft(max(budgets), done - began, sum(budgets))
         if self.adaptive and self.lengths.probes.probing:
             self.lengths.probes.spent(done - began)
-        for row, state, budget, chain in zip(rows, states, budgets, chains, strict=True):
+        for row, budget, chain in zip(rows, budgets, chains, strict=True):
             drafts[row] = chain[:budget]
-            state.proposed = len(drafts[row])
         trace = os.environ.get(TRACE_ENV)
         if trace:
             with open(trace, "a") as f:
@@ -315,13 +311,8 @@ class MoAVllmProposer:
             tracker = state.tracker
             if tracker is None:
                 tracker = state.tracker = self.lengths.tracker()
-            # The drafts verified were ours, unless vLLM scheduled others (it fills in zeros
-            # in some cases): the acceptance of drafts we did not make says nothing of ours.
-            drafted = min(len(verified.get(req_ids[row], ())), state.proposed)
-            if drafted:
-                tracker.observe(drafted, min(len(sampled_token_ids[row]) - 1, drafted))
-            else:
-                tracker.observe(0, 0)
+            drafted = len(verified.get(req_ids[row], ()))  # ours: patch 4 (drafter fits)
+            tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
             trackers.append(tracker)
             catch_up.append(n - state.written)
         ks = self.lengths.choose(trackers, budgets, catch_up)
