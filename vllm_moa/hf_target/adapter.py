@@ -162,11 +162,13 @@ class HFTarget:
     def causal_allowed(
         self, layer_idx: int, positions: torch.Tensor, key_positions: torch.Tensor
     ) -> torch.Tensor:
-        """bool [T, S]: causal, within the layer's sliding window if it has one."""
-        allowed = key_positions[None, :] <= positions[:, None]
+        """bool [..., T, S] for positions [..., T] and key positions [..., S]: causal, within
+        the layer's sliding window if it has one."""
+        keys, queries = key_positions[..., None, :], positions[..., :, None]
+        allowed = keys <= queries
         window = self._windows[layer_idx]
         if window is not None:
-            allowed &= key_positions[None, :] > positions[:, None] - window
+            allowed &= keys > queries - window
         return allowed
 
     def _cache_mask(self, cache: KVCache, layer_idx: int, positions: torch.Tensor) -> torch.Tensor:
@@ -177,13 +179,13 @@ class HFTarget:
     def run_layers(
         self,
         h: torch.Tensor,  # [B, T, E]
-        positions: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T], or [B, T] when rows sit at different positions
         layer_ids: range,
         cache: Any,  # anything with KVCache.update()'s signature
         mask_for: Callable[[int], torch.Tensor],  # layer index -> additive [B|1, 1, T, S]
         **attention_kwargs: Any,  # passed to the layers' attention function
     ) -> torch.Tensor:
-        pos = positions[None]
+        pos = positions if positions.dim() == 2 else positions[None]
         position_embeddings = self.rotary_emb(h, pos)
         for i in layer_ids:
             out = self.layers[i](
@@ -313,6 +315,52 @@ class HFTarget:
         )
 
     @torch.no_grad()
+    def forward_trees(
+        self, batch: Sequence[TreeInput], hidden_layers: Sequence[int] = ()
+    ) -> list[TargetOutput]:
+        """`forward_tree` for several sequences in one pass, each after its own cached prefix
+        (a server verifying many clients' drafts). Rows are padded to the longest input; the
+        prefixes are padded to the longest one inside the pass (each sequence's cache gets only
+        its own new K/V). Returns one TargetOutput per input, as forward_tree would."""
+        device = self.device
+        starts = [item.cache.length(0) for item in batch]
+        sizes = [len(item.token_ids) for item in batch]
+        b, t, s = len(batch), max(sizes), max(starts)
+        ids = torch.zeros(b, t, dtype=torch.long, device=device)
+        positions = torch.zeros(b, t, dtype=torch.long, device=device)
+        visible = torch.zeros(b, t, s + t, dtype=torch.bool, device=device)
+        for r, item in enumerate(batch):
+            n = sizes[r]
+            ids[r, :n] = item.token_ids
+            positions[r, :n] = item.positions
+            if int(item.positions.max()) >= self.max_length:
+                raise ValueError(
+                    f"tree reaches position {int(item.positions.max())}, beyond the context"
+                )
+            visible[r, :n, : starts[r]] = True
+            visible[r, :n, s : s + n] = item.allowed
+            visible[r, n:, s + n :] = torch.eye(t - n, dtype=torch.bool, device=device)  # padding
+        prefix = torch.arange(s, device=device).expand(b, s)
+        key_positions = torch.cat([prefix, positions], dim=1)  # [B, S + T]
+
+        def mask_for(i: int) -> torch.Tensor:
+            ok = visible & self.causal_allowed(i, positions, key_positions)
+            return self.additive_mask(ok)[:, None]
+
+        caches = _PaddedCaches([item.cache for item in batch], starts, sizes, s)
+        h = self.embed_tokens(ids)
+        h, hidden = self._forward_hidden(h, positions, caches, set(hidden_layers), mask_for)
+        logits = self.lm_head(h).float()
+        return [
+            TargetOutput(
+                logits=logits[r, : sizes[r]],
+                layer_kv=kv_rows(item.cache, starts[r], starts[r] + sizes[r])[0],
+                hidden_states={k: v[r, : sizes[r]] for k, v in hidden.items()},
+            )
+            for r, item in enumerate(batch)
+        ]
+
+    @torch.no_grad()
     def run_tail_layers(
         self, hidden: torch.Tensor, positions: torch.Tensor, num_layers: int
     ) -> torch.Tensor:
@@ -341,3 +389,37 @@ def split_kv(layer_kv: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, t
     b, t, _ = layer_kv.shape
     kv = layer_kv.view(b, t, num_kv_heads, 2, -1).permute(0, 2, 3, 1, 4)  # [B, Hkv, 2, T, D]
     return kv[:, :, 0], kv[:, :, 1]
+
+
+@dataclass
+class TreeInput:
+    """One sequence of a `forward_trees` pass: its cache, and the `forward_tree` inputs."""
+
+    cache: KVCache
+    token_ids: torch.Tensor  # [n]: the root token, then the tree's nodes
+    positions: torch.Tensor  # [n]
+    allowed: torch.Tensor  # bool [n, n]
+
+
+class _PaddedCaches:
+    """The `update()` the layers call during `forward_trees`: each sequence's new K/V go to its
+    own cache; the layer attends over [B, Hkv, S + T, D], prefixes in columns < S (padded to the
+    longest), the new keys of every row in columns S.. (masks hide what a row does not own)."""
+
+    def __init__(self, caches: list[KVCache], starts: list[int], sizes: list[int], s: int) -> None:
+        self.caches, self.starts, self.sizes, self.s = caches, starts, sizes, s
+
+    def update(
+        self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args: object, **kw: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        b, heads, t, d = key.shape
+        keys = key.new_zeros(b, heads, self.s + t, d)
+        values = value.new_zeros(b, value.shape[1], self.s + t, value.shape[3])
+        for r, cache in enumerate(self.caches):
+            n, start = self.sizes[r], self.starts[r]
+            k, v = cache.update(key[r : r + 1, :, :n], value[r : r + 1, :, :n], layer_idx)
+            keys[r, :, :start] = k[0, :, :start]
+            values[r, :, :start] = v[0, :, :start]
+        keys[:, :, self.s :] = key
+        values[:, :, self.s :] = value
+        return keys, values
