@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -59,6 +60,29 @@ def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
     return sorted(ids)
 
 
+def _encode_prompt(tokenizer: Any, prompt: str, chat: bool, target_dir: str) -> list[int]:
+    if not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    if not tokenizer.chat_template:
+        raise ValueError(f"--chat given but the tokenizer in {target_dir} has no chat template")
+    messages = [{"role": "user", "content": prompt}]
+    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def _eos_ids_of(target_dir: str, tokenizer: Any) -> list[int]:
+    """The target's end-of-sequence ids without loading its weights."""
+    from transformers import GenerationConfig
+
+    try:
+        generation: Any = GenerationConfig.from_pretrained(target_dir)
+    except OSError:
+        generation = None
+    return _eos_ids(tokenizer, type("Model", (), {"generation_config": generation})())
+
+
 def run_generation(
     target_dir: str,
     drafter_dir: str | None,
@@ -88,17 +112,7 @@ def run_generation(
         drafter = load_drafter(drafter_dir, target=target.shape, dtype=dtype, device=device)
         proposer = make_proposer(drafter, target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    if chat:
-        if not tokenizer.chat_template:
-            raise ValueError(f"--chat given but the tokenizer in {target_dir} has no chat template")
-        messages = [{"role": "user", "content": prompt}]
-        ids: Any = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-    else:
-        ids = tokenizer(prompt)["input_ids"]
+    ids = _encode_prompt(tokenizer, prompt, chat, target_dir)
     engine = SpeculativeEngine(target, proposer)
     result = engine.generate(
         list(ids),
@@ -134,25 +148,28 @@ def _print_stats(record: dict[str, Any], file: Any = sys.stdout) -> None:
     )
 
 
+def _tree_params(args: argparse.Namespace) -> Any:
+    """TreeParams from --tree-depth/--tree-breadth/--tree-tokens, or None for chains."""
+    if all(x is None for x in (args.tree_depth, args.tree_breadth, args.tree_tokens)):
+        return None
+    from vllm_moa.decoding.tree import TreeParams
+
+    if args.drafter is None:
+        raise ValueError("--tree-* options need --drafter (a MoA, EAGLE or independent drafter)")
+    defaults = TreeParams()
+    return TreeParams(
+        depth=args.tree_depth or defaults.depth,
+        breadth=args.tree_breadth or defaults.breadth,
+        budget=args.tree_tokens or defaults.budget,
+    )
+
+
 def generate(args: argparse.Namespace) -> int:
     from vllm_moa.decoding import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     device, dtype = _runtime(args)
-    tree = None
-    if any(x is not None for x in (args.tree_depth, args.tree_breadth, args.tree_tokens)):
-        from vllm_moa.decoding.tree import TreeParams
-
-        if args.drafter is None:
-            raise ValueError(
-                "--tree-* options need --drafter (a MoA, EAGLE or independent drafter)"
-            )
-        defaults = TreeParams()
-        tree = TreeParams(
-            depth=args.tree_depth or defaults.depth,
-            breadth=args.tree_breadth or defaults.breadth,
-            budget=args.tree_tokens or defaults.budget,
-        )
+    tree = _tree_params(args)
     record = run_generation(
         args.target,
         args.drafter,
@@ -172,6 +189,83 @@ def generate(args: argparse.Namespace) -> int:
     else:
         print(record["text"])
         _print_stats(record, file=sys.stderr)
+    return 0
+
+
+def remote_server(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from transformers import AutoTokenizer
+
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.checkpoint.io import drafter_dir_of
+    from vllm_moa.hf_target import HFTarget
+    from vllm_moa.remote.server import RemoteServer, ServerLimits
+    from vllm_moa.remote.split import ServerHalf, fingerprint
+    from vllm_moa.remote.verifier import Verifier
+
+    device, dtype = _runtime(args)
+    drafter_dir = drafter_dir_of(args.drafter)
+    target = HFTarget.from_pretrained(args.target, dtype=dtype, device=device)
+    drafter = load_drafter(drafter_dir, target=target.shape, dtype=dtype, device=device)
+    eos = _eos_ids_of(args.target, AutoTokenizer.from_pretrained(args.target))
+    half = ServerHalf(drafter, target.shape.num_layers)
+    verifier = Verifier(target, half, fingerprint(drafter_dir), eos)
+    limits = ServerLimits(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    print(
+        f"serving {args.target} with the server half of a {half.kind} drafter ({drafter_dir}) "
+        f"on {args.host}:{args.port}",
+        flush=True,
+    )
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(RemoteServer(verifier, limits).serve_forever(args.host, args.port))
+    return 0
+
+
+def remote_generate(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from vllm_moa.decoding import SamplingParams
+    from vllm_moa.remote.client import RemoteClient
+
+    device, dtype = _runtime(args)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    tree = _tree_params(args)
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    ids = _encode_prompt(tokenizer, _read_prompt(args), args.chat, args.target)
+    client = RemoteClient(args.server, args.target, args.drafter, dtype=dtype, device=device)
+    result = client.generate(
+        ids,
+        args.max_new_tokens,
+        sampling,
+        num_speculative_tokens=args.num_speculative_tokens,
+        tree=tree,
+        seed=args.seed,
+        eos_token_ids=_eos_ids_of(args.target, tokenizer),
+        disconnect_after=args.disconnect_after,
+    )
+    record = {
+        "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "prompt_tokens": len(ids),
+        "drafter": client.kind,
+        "tli": client.tli,
+        **result.to_dict(),
+    }
+    if args.json:
+        print(json.dumps(record))
+    else:
+        print(record["text"])
+        gone = result.disconnected_at
+        print(
+            f"[{len(result.token_ids)} tokens, {result.server_calls} server calls, "
+            f"tau={result.mean_accepted_length:.2f}, up {result.bytes_up} B, "
+            f"down {result.bytes_down} B, {result.tokens_per_second:.1f} tok/s, "
+            f"finish={result.finish_reason}"
+            + (f", finished on the device after {gone} tokens]" if gone is not None else "]"),
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -118,6 +118,45 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_flags(p)
     p.set_defaults(func=commands.generate)
 
+    p = sub.add_parser(
+        "remote-server", help="serve a target for drafters on client devices (client-server)"
+    )
+    p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
+    p.add_argument("--drafter", required=True, help="the drafter the clients run (its server half)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--max-sessions", type=positive_int, default=64, help="open generations")
+    p.add_argument("--idle-timeout", type=float, default=300.0, help="seconds; then dropped")
+    _add_runtime_flags(p)
+    p.set_defaults(func=commands.remote_server)
+
+    p = sub.add_parser("remote-generate", help="generate on this device against a remote-server")
+    p.add_argument("--server", required=True, help="HOST:PORT of a vllm-moa remote-server")
+    p.add_argument("--target", required=True, help="target directory (tokenizer, embeddings, head)")
+    p.add_argument("--drafter", required=True, help="the same drafter the server was given")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file whose whole content is the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-new-tokens", type=positive_int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="chain K")
+    p.add_argument("--tree-depth", type=positive_int, default=None, help="EAGLE-2 tree (6)")
+    p.add_argument("--tree-breadth", type=positive_int, default=None, help="top-B per depth (8)")
+    p.add_argument("--tree-tokens", type=positive_int, default=None, help="nodes sent (62)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--disconnect-after",
+        type=positive_int,
+        default=None,
+        help="drop the server after B tokens and finish on the device",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_runtime_flags(p)
+    p.set_defaults(func=commands.remote_generate)
+
     p = sub.add_parser("convert-official", help="import the authors' released checkpoint")
     p.add_argument("src", help="official checkpoint directory")
     p.add_argument("dst", help="output drafter directory")

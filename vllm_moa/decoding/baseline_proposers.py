@@ -87,6 +87,9 @@ class EagleProposer:
         self._last_token = last_token
         return tree
 
+    def withdraw(self) -> None:
+        self._last_token = None  # propose() already dropped the drafted positions' K/V
+
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         if self._last_token is None:
             raise RuntimeError("accept() called without a preceding propose()")
@@ -157,6 +160,10 @@ class IndependentProposer:
         tree = IndependentTreeDrafter(self, last_token).draft(depth, breadth, budget)
         self._last_token = last_token
         return tree
+
+    def withdraw(self) -> None:
+        self.cache.crop(len(self.tokens))  # the drafts' K/V
+        self._last_token = None
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         if self._last_token is None:

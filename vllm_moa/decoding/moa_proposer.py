@@ -159,6 +159,10 @@ class MoAProposer:
         if self.tli:
             self.target.crop(p)  # drop the TLI layers' draft K/V
 
+    def withdraw(self) -> None:
+        self.sa_cache.crop(len(self.tokens))  # the drafts' SA K/V
+        self._last_token = None
+
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         """`verified` holds the target rows of the last token and the accepted drafts."""
         if verified.layer_kv.shape[0] != len(accepted) + 1:

@@ -42,6 +42,11 @@ class Proposer(Protocol):
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None: ...
 
+    def withdraw(self) -> None:
+        """Forget the last proposal, which will never be verified (a client whose server went
+        away): the state becomes what it was before `propose`."""
+        ...
+
     def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
         """Tokens the engine decoded without drafting (each the last token of a plain target
         step, in order), with the target's rows for them: the state becomes what

@@ -211,7 +211,7 @@ class HFTarget:
         self,
         h: torch.Tensor,
         positions: torch.Tensor,
-        cache: KVCache,
+        cache: Any,  # anything with KVCache.update()'s signature
         wanted: set[int],
         mask_for: Callable[[int], torch.Tensor] | None = None,
         **attention_kwargs: Any,

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from vllm_moa.checkpoint import load_drafter
+from vllm_moa.checkpoint.io import drafter_dir_of, load_config
 from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree, TreeParams
@@ -36,13 +37,12 @@ from vllm_moa.remote.split import (
     drafter_kind,
     expected_rows,
     fingerprint,
-    tail_layers,
 )
 
 GREEDY = SamplingParams()
 
 
-class RemoteError(RuntimeError):
+class RemoteError(OSError):
     """The server refused a request (its ERROR message, with its code)."""
 
     def __init__(self, code: int, message: str) -> None:
@@ -130,11 +130,11 @@ class RemoteClient:
         timeout_s: float = 30.0,
     ) -> None:
         self.address = parse_address(server)
-        drafter = load_drafter(drafter_dir, dtype=dtype, device=device)
+        drafter_dir = drafter_dir_of(drafter_dir)
+        self.tli = int(getattr(load_config(drafter_dir), "tli", 0))
+        self.target = DeviceTarget.load(target_dir, self.tli, dtype, device)
+        drafter = load_drafter(drafter_dir, self.target.shape, dtype=dtype, device=device)
         self.kind = drafter_kind(drafter)
-        self.tli = tail_layers(drafter)
-        self.target = DeviceTarget.from_pretrained(target_dir, self.tli, dtype, device)
-        drafter.config.check_target(self.target.shape)
         self.proposer = client_proposer(drafter, self.target)
         self.fingerprint = fingerprint(drafter_dir)
         self.timeout_s = timeout_s
@@ -197,6 +197,7 @@ class RemoteClient:
             try:
                 answer = link.call(protocol.Draft(cycles, draft.tokens, draft.parents))
             except ConnectionError:
+                self.proposer.withdraw()  # the draft in flight will never be verified
                 disconnected_at = len(generated)
                 break
             if not isinstance(answer, protocol.Verified) or answer.cycle != cycles:
@@ -287,8 +288,6 @@ class RemoteClient:
             self.target.max_length - prompt_len - len(generated) - 1,
         )
         if room > 0:
-            # The proposer restores its verified state after every propose(), so this works
-            # whether or not a draft was in flight when the link went down.
             proposal = self.proposer.propose(generated[-1], room, params, gen)
             for token in proposal.tokens:
                 generated.append(token)

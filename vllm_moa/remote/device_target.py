@@ -71,7 +71,7 @@ class DeviceTarget(HFTarget):
         self._length = 0  # verified tokens (the cache's length when there are tail layers)
 
     @classmethod
-    def from_pretrained(
+    def load(
         cls, path: str | Path, tail: int, dtype: torch.dtype = torch.float32, device: str = "cpu"
     ) -> DeviceTarget:
         from transformers import AutoConfig, AutoModelForCausalLM

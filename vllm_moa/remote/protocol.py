@@ -236,7 +236,7 @@ class _Reader:
         self.at += n
         return out
 
-    def unpack(self, fmt: struct.Struct, item: str) -> tuple:  # type: ignore[type-arg]
+    def unpack(self, fmt: struct.Struct, item: str) -> tuple:
         return fmt.unpack(self.take(fmt.size, item))
 
     def tokens(self, n: int, item: str) -> list[int]:

@@ -50,6 +50,7 @@ class RemoteServer:
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moa-target")
         self._server: asyncio.base_events.Server | None = None
         self._worker: asyncio.Task[None] | None = None
+        self._connections: set[asyncio.Task[Any]] = set()
 
     async def start(self, host: str = "127.0.0.1", port: int = 8100) -> int:
         """Listen; returns the bound port (port 0 picks a free one)."""
@@ -68,8 +69,9 @@ class RemoteServer:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
-        if self._worker is not None:
-            self._worker.cancel()
+        for task in [*self._connections, *([self._worker] if self._worker else [])]:
+            task.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
         self._compute.shutdown(wait=True)
 
     # -- the target worker ---------------------------------------------------------------------
@@ -118,6 +120,9 @@ class RemoteServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         session: Session | None = None
+        task = asyncio.current_task()
+        if task is not None:
+            self._connections.add(task)
         try:
             while True:
                 try:
@@ -161,6 +166,7 @@ class RemoteServer:
             if session is not None:
                 self.sessions -= 1
             writer.close()
+            self._connections.discard(task)
 
     @staticmethod
     async def _send(writer: asyncio.StreamWriter, message: protocol.Message) -> None:

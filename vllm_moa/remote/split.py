@@ -1,10 +1,11 @@
 """Which half of a drafter runs where, and what crosses the link per verified token.
 
-| drafter | server computes, per verified token | sent (before int8) | the client holds |
-|---|---|---|---|
-| MoA, TLI=N | LSA + mean + Ekv2E and CA's memory K/V projection; the target's last N layers' K/V | 2 E_kv_CA (+ 2 E_kv N) | SA, CA, embeddings, the last N layers, final norm, LM head |
-| EAGLE | the target's final (normalised) hidden state | E | EAGLE's layer, embeddings, LM head |
-| independent | nothing | 0 | the whole small model, embeddings, LM head |
+- MoA, TLI = N: the server runs LSA + mean + Ekv2E and CA's memory K/V projection, and sends
+  that K|V (2 E_kv_CA values per token) plus the target's last N layers' K/V (2 E_kv N); the
+  client holds SA, CA, the embeddings, the last N layers, the final norm and the LM head.
+- EAGLE: the server sends the target's final (normalised) hidden state (E values); the client
+  holds EAGLE's layer, the embeddings and the LM head.
+- independent: nothing but tokens; the client holds the whole small model.
 
 The paper's message sizes (Table 7) count MoA's memory as 2 E_kv: the CA memory K|V, whose width
 is the drafter's, here `2 * ca_num_kv_heads * head_dim`. The client runs the project's own

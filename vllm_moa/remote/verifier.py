@@ -155,7 +155,7 @@ class Verifier:
             outs = self.target.forward_trees(inputs, hidden)
         self.passes += 1
         self.sessions_verified += len(batch)
-        kept, positions, replies = [], [], []
+        kept, kept_positions, replies = [], [], []
         for (session, draft), tree, out in zip(batch, trees, outs, strict=True):
             if session.params.greedy:
                 verdict = verify_tree_greedy(tree, out.logits)
@@ -168,13 +168,13 @@ class Verifier:
             accepted = [tree.tokens[i] for i in verdict.path]
             emitted = self._emit(session, [*accepted, verdict.next_token])
             kept.append(_rows(out, rows))
-            positions.append(torch.arange(p, p + len(rows)))
+            kept_positions.append(torch.arange(p, p + len(rows)))
             replies.append(
                 protocol.Verified(draft.cycle, emitted[:-1], emitted[-1], session.finish)
             )
             session.cycle += 1
             session.last_active = time.monotonic()
-        for reply, rows_ in zip(replies, self._payload(kept, positions), strict=True):
+        for reply, rows_ in zip(replies, self._payload(kept, kept_positions), strict=True):
             if reply.finish is Finish.NONE:  # a finished response needs no more drafting
                 reply.rows = rows_
         return replies

@@ -1,0 +1,498 @@
+"""Client-server speculative decoding: the wire format, lossless remote generation for every
+drafter kind (chains and trees), batching across clients, disconnection, and a server that
+survives garbage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import make_drafter, make_hf_model
+from vllm_moa.checkpoint import save_drafter
+from vllm_moa.decoding import SamplingParams, SpeculativeEngine
+from vllm_moa.decoding.tree import TreeParams
+from vllm_moa.hf_target import HFTarget
+from vllm_moa.hf_target.adapter import TreeInput
+from vllm_moa.model import TargetInfo
+from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+from vllm_moa.model.kv_cache import KVCache
+from vllm_moa.model.presets import make_eagle_config, make_independent_config
+from vllm_moa.remote import protocol
+from vllm_moa.remote.client import RemoteClient, RemoteError
+from vllm_moa.remote.protocol import Finish, ProtocolError, QTensor
+from vllm_moa.remote.server import RemoteServer, ServerLimits
+from vllm_moa.remote.split import DeviceMoAProposer, ServerHalf, fingerprint
+from vllm_moa.remote.verifier import Verifier
+
+# -- the wire format ---------------------------------------------------------------------------
+
+
+def _messages() -> list[protocol.Message]:
+    q = QTensor.quantize(torch.randn(3, 4, 8))
+    return [
+        protocol.Start([1, 2, 70000, 16_000_000], 32, b"abcdefgh", 0.7, 0.9, 5, 1234),
+        protocol.Start([5], 1, b"\0" * 8),
+        protocol.Draft(7, [10, 11, 12, 13], [-1, 0, 0, 2]),
+        protocol.Draft(0, [], []),
+        protocol.Close(),
+        protocol.Started(42, Finish.NONE, [q, QTensor.quantize(torch.randn(3, 2))]),
+        protocol.Verified(3, [4, 5], 6, Finish.EOS, [q]),
+        protocol.Verified(4, [], 9, Finish.NONE, []),
+        protocol.Error(409, "out of order ✓"),
+    ]
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, QTensor) and isinstance(b, QTensor):
+        return torch.equal(a.values, b.values) and torch.equal(a.scales, b.scales)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if hasattr(a, "__dataclass_fields__"):
+        return type(a) is type(b) and all(
+            _same(getattr(a, f), getattr(b, f)) for f in a.__dataclass_fields__
+        )
+    if isinstance(a, float):
+        return abs(a - b) < 1e-6  # type: ignore[operator]
+    return a == b
+
+
+def test_every_message_round_trips():
+    for message in _messages():
+        assert _same(protocol.decode(protocol.encode(message)), message), message
+
+
+def test_message_sizes_follow_the_paper():
+    # Client: 4 bytes per draft node; server: 3 per token plus the int8 rows (+ fp16 scales).
+    draft = protocol.encode(protocol.Draft(0, list(range(10)), list(range(-1, 9))))
+    assert len(draft) == 4 + 5 + 4 * 10  # header, cycle + count, nodes
+    rows = QTensor.quantize(torch.randn(3, 2, 64))  # 3 tokens of 2 vectors of 64
+    verified = protocol.encode(protocol.Verified(0, [1, 2], 3, Finish.NONE, [rows]))
+    assert len(verified) == 4 + 6 + 3 * 3 + 1 + (1 + 3 * 4) + 3 * 2 * (2 + 64)
+
+
+def test_int8_rows_are_within_half_a_step():
+    x = torch.randn(50, 4, 64) * torch.logspace(-3, 3, 50)[:, None, None]
+    q = QTensor.quantize(x)
+    step = x.abs().amax(-1, keepdim=True) / 127
+    assert ((q.dequantize() - x).abs() <= step / 2 + 1e-3 * step).all()
+    assert torch.equal(QTensor.quantize(torch.zeros(2, 3)).dequantize(), torch.zeros(2, 3))
+
+
+@pytest.mark.parametrize(
+    "data, complaint",
+    [
+        (b"", "shorter than its 4-byte header"),
+        (b"XX\x01\x02", "not a vllm-moa remote message"),
+        (b"MS\x02\x02", "protocol version 2 is not spoken here"),
+        (b"MS\x01\x63", "unknown message type 99"),
+        (b"MS\x01\x02\x00\x00\x00\x01\x02\x00\x00\x05", "truncated"),
+        (b"MS\x01\x01not gzip at all", "not valid gzip"),
+        (b"MS\x01\x02\x00\x00\x00\x01\x01\x00\x00\x05\x05", "parent 4"),
+        (b"MS\x01\x03\x00", "1 unexpected trailing bytes"),
+    ],
+)
+def test_bad_messages_are_named(data, complaint):
+    with pytest.raises(ProtocolError, match=complaint):
+        protocol.decode(data)
+
+
+def test_gzip_bombs_are_refused():
+    import gzip
+
+    bomb = b"MS\x01\x01" + gzip.compress(b"\0" * (4 << 20))
+    with pytest.raises(ProtocolError, match="inflates beyond"):
+        protocol.decode(bomb, max_inflated=1 << 20)
+
+
+def test_random_and_damaged_messages_only_raise_protocol_errors():
+    rng = random.Random(0)
+    valid = [protocol.encode(m) for m in _messages()]
+    for trial in range(3000):
+        base = bytearray(rng.choice(valid))
+        how = trial % 3
+        if how == 0:  # truncated
+            data = bytes(base[: rng.randrange(len(base) + 1)])
+        elif how == 1:  # bytes flipped (the header kept half the time, to reach the bodies)
+            for _ in range(rng.randint(1, 4)):
+                i = rng.randrange(4 if rng.random() < 0.5 else 0, len(base)) if len(base) > 4 else 0
+                base[i] = rng.randrange(256)
+            data = bytes(base)
+        else:  # random bytes after a valid header
+            data = bytes(base[:4]) + rng.randbytes(rng.randrange(64))
+        with contextlib.suppress(ProtocolError):
+            protocol.decode(data)
+
+
+# -- models on disk ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> dict[str, Path]:
+    """A tiny Llama target on disk with a drafter of every kind for it."""
+    base = tmp_path_factory.mktemp("remote_pair")
+    model = make_hf_model("llama", num_layers=3, max_positions=256, seed=3, logit_scale=4.0)
+    model.save_pretrained(base / "target")
+    target = HFTarget(model)
+    info = TargetInfo(target.shape, target.config.num_attention_heads)
+    paths = {"target": base / "target"}
+    for tli in (0, 1):
+        paths[f"moa{tli}"] = save_drafter(
+            make_drafter(target, tli=tli, seed=tli), base / f"moa{tli}"
+        )
+    eagle = EagleDrafter(make_eagle_config(info, preset="small"))
+    eagle.init_weights(5)
+    paths["eagle"] = save_drafter(eagle, base / "eagle")
+    independent = IndependentDrafter(make_independent_config(info, preset="small"))
+    independent.init_weights(6)
+    paths["independent"] = save_drafter(independent, base / "independent")
+    return paths
+
+
+class RunningServer:
+    """A RemoteServer on a free port in a background thread (its own event loop)."""
+
+    def __init__(self, target_dir: Path, drafter_dir: Path, limits: ServerLimits | None = None):
+        from vllm_moa.checkpoint import load_drafter
+
+        target = HFTarget.from_pretrained(target_dir)
+        drafter = load_drafter(drafter_dir, target=target.shape)
+        half = ServerHalf(drafter, target.shape.num_layers)
+        self.verifier = Verifier(target, half, fingerprint(drafter_dir), eos_token_ids=[])
+        self.server = RemoteServer(self.verifier, limits)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            self.port = self.loop.run_until_complete(self.server.start("127.0.0.1", 0))
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        ready.wait(30)
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="module")
+def plain(pair):
+    engine = SpeculativeEngine(HFTarget.from_pretrained(pair["target"]))
+    return lambda prompt, n: engine.generate(prompt, n).token_ids
+
+
+class OracleDeviceProposer(DeviceMoAProposer):
+    """The client's MoA proposer with a bonus on the target's greedy token (from a full local
+    copy of the target, a test-only crutch) at most positions, so that drafts are accepted and
+    every path of the remote cycle (multi-token accepts, TLI rows, trees) runs."""
+
+    reference: torch.nn.Module
+
+    @torch.no_grad()
+    def draft_logits(self, position: int) -> torch.Tensor:
+        logits = super().draft_logits(position)
+        if position % 5 == 0:
+            return logits
+        best = self.reference(torch.tensor([self.tokens[: position + 1]])).logits[0, -1].argmax()
+        logits = logits.clone()
+        logits[best] += 50.0
+        return logits
+
+
+def _oracle(client: RemoteClient, target_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    proposer = client.proposer
+    assert isinstance(proposer, DeviceMoAProposer)
+    proposer.__class__ = OracleDeviceProposer
+    proposer.reference = AutoModelForCausalLM.from_pretrained(target_dir).eval()  # type: ignore[attr-defined]
+
+
+PROMPT = [3, 17, 100, 5, 9, 200, 41, 7, 7, 12]
+
+
+@pytest.mark.parametrize(
+    "kind, tree",
+    [
+        ("moa0", None),
+        ("moa0", TreeParams(4, 3, 10)),
+        ("moa1", None),
+        ("moa1", TreeParams(3, 2, 6)),
+        ("eagle", TreeParams(3, 2, 6)),
+        ("independent", None),
+    ],
+)
+def test_remote_greedy_output_equals_plain_decoding(pair, plain, kind, tree):
+    server = RunningServer(pair["target"], pair[kind])
+    try:
+        client = RemoteClient(server.address, pair["target"], pair[kind])
+        if kind.startswith("moa"):
+            _oracle(client, pair["target"])
+        result = client.generate(PROMPT, 40, tree=tree, num_speculative_tokens=4)
+        assert result.token_ids == plain(PROMPT, 40)
+        assert result.finish_reason == "length" and result.disconnected_at is None
+        assert result.server_calls == result.cycles + 1
+        if kind.startswith("moa"):  # the oracle's drafts land: multi-token accepts happened
+            assert result.mean_accepted_length > 1.5, result
+        # Client messages: 4 bytes a node; the server's carry the rows (all but independent's).
+        assert result.bytes_up < 30 + 60 * result.server_calls
+        if kind == "independent":
+            assert result.bytes_down < 40 * result.server_calls + 200
+    finally:
+        server.stop()
+
+
+def test_clients_are_verified_together_and_the_server_survives_garbage(pair, plain):
+    server = RunningServer(pair["target"], pair["moa1"])
+    prompts = [PROMPT, PROMPT[3:], [9, 9, 8, 1, 50, 60], PROMPT[::-1]]
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def client_run(i: int) -> None:
+        try:
+            client = RemoteClient(server.address, pair["target"], pair["moa1"])
+            results[i] = client.generate(prompts[i], 30).token_ids
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    def vandal(seed: int) -> None:
+        """Garbage, truncated and out-of-order frames on connections of its own."""
+        rng = random.Random(seed)
+        host, port = server.address.split(":")
+        for trial in range(12):
+            with socket.create_connection((host, int(port)), timeout=10) as s:
+                kind = trial % 4
+                if kind == 0:
+                    s.sendall(rng.randbytes(rng.randrange(1, 200)))
+                elif kind == 1:  # a frame promising more than is sent, then hang up
+                    s.sendall(struct.pack(">I", 1000) + b"MS\x01\x02\x00")
+                elif kind == 2:
+                    s.sendall(protocol.frame(protocol.Draft(3, [1], [-1])))  # before START
+                else:  # a frame over the size limit
+                    s.sendall(struct.pack(">I", 1 << 30))
+                s.shutdown(socket.SHUT_WR)  # the server sees the end of the stream
+                s.settimeout(10)
+                with contextlib.suppress(OSError):
+                    s.recv(1 << 16)
+
+    try:
+        threads = [threading.Thread(target=client_run, args=(i,)) for i in range(4)]
+        threads += [threading.Thread(target=vandal, args=(s,)) for s in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        for i, prompt in enumerate(prompts):
+            assert results[i] == plain(prompt, 30), i
+        v = server.verifier
+        assert v.sessions_verified > v.passes  # some passes verified several clients at once
+        assert server.server.sessions == 0  # every session was freed
+    finally:
+        server.stop()
+
+
+def test_forward_trees_equals_one_sequence_at_a_time():
+    target = HFTarget(make_hf_model("mistral", num_layers=2, seed=1))  # sliding window 7
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 256, (n,), generator=gen) for n in (9, 3, 14)]
+    trees = [  # (root + nodes, positions offsets, allowed) per sequence
+        ([5, 6, 7], [0, 1, 1], torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)),
+        ([8], [0], torch.ones(1, 1, dtype=torch.bool)),
+        ([1, 2, 3, 4], [0, 1, 2, 3], torch.ones(4, 4, dtype=torch.bool).tril()),
+    ]
+    singles, caches = [], []
+    for seq, (ids, offsets, allowed) in zip(seqs, trees, strict=True):
+        target.cache = KVCache(2)
+        target.forward(seq)
+        caches.append(target.cache)
+        target.cache = KVCache(2)
+        target.forward(seq)
+        pos = torch.tensor(offsets) + len(seq)
+        singles.append(target.forward_tree(torch.tensor(ids), pos, allowed))
+    batch = [
+        TreeInput(cache, torch.tensor(ids), torch.tensor(offsets) + len(seq), allowed)
+        for cache, seq, (ids, offsets, allowed) in zip(caches, seqs, trees, strict=True)
+    ]
+    for one, many in zip(singles, target.forward_trees(batch), strict=True):
+        torch.testing.assert_close(many.logits, one.logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(many.layer_kv, one.layer_kv, atol=1e-5, rtol=1e-5)
+    assert [c.length(0) for c in caches] == [12, 4, 18]
+
+
+def test_a_disconnected_client_finishes_the_response_on_the_device(pair, plain):
+    server = RunningServer(pair["target"], pair["moa1"])
+    try:
+        client = RemoteClient(server.address, pair["target"], pair["moa1"])
+        _oracle(client, pair["target"])
+        result = client.generate(PROMPT, 40, disconnect_after=12)
+        assert result.disconnected_at is not None and result.disconnected_at >= 12
+        assert len(result.token_ids) == 40 and result.finish_reason == "length"
+        verified = result.disconnected_at
+        assert result.token_ids[:verified] == plain(PROMPT, 40)[:verified]
+        # A link that dies mid-response: the server goes away between two cycles.
+        client = RemoteClient(server.address, pair["target"], pair["moa1"])
+        calls = 0
+        real_call = protocol.recv_frame
+
+        def dying_recv(sock: socket.socket, limit: int = protocol.MAX_FRAME_BYTES) -> bytes:
+            nonlocal calls
+            calls += 1
+            if calls == 4:
+                raise ConnectionResetError("link lost")
+            return real_call(sock, limit)
+
+        protocol.recv_frame = dying_recv  # type: ignore[assignment]
+        try:
+            result = client.generate(PROMPT, 40)
+        finally:
+            protocol.recv_frame = real_call  # type: ignore[assignment]
+        assert result.disconnected_at is not None and len(result.token_ids) == 40
+        assert result.server_calls == 4
+    finally:
+        server.stop()
+
+
+def test_refusals_are_clear(pair, tmp_path):
+    server = RunningServer(pair["target"], pair["moa0"], ServerLimits(max_sessions=1))
+    try:
+        other = RemoteClient(server.address, pair["target"], pair["moa1"])
+        with pytest.raises(RemoteError, match="is not the server's"):
+            other.generate(PROMPT, 5)
+        client = RemoteClient(server.address, pair["target"], pair["moa0"])
+        with pytest.raises(RemoteError, match="outside the vocabulary"):
+            client.generate([1, 2, 999], 5)
+        with pytest.raises(RemoteError, match="context is 256"):
+            client.generate([1] * 300, 5)
+        assert client.generate(PROMPT, 3).finish_reason == "length"  # still serving
+    finally:
+        server.stop()
+    with pytest.raises(ConnectionError, match="cannot reach the server"):
+        client.generate(PROMPT, 3)
+
+
+def _accept_first_children(tree, target_probs, generator):
+    """A broken verifier: takes the first child at every node, whatever the target says."""
+    from vllm_moa.decoding.tree import TreeVerdict
+
+    node, path = -1, []
+    while tree.children(node):
+        node = tree.children(node)[0]
+        path.append(node)
+    token = int(torch.multinomial(target_probs[node + 1], 1, generator=generator))
+    return TreeVerdict(path, token)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("broken", [False, True])
+def test_remote_sampling_preserves_the_target_distribution(monkeypatch, broken):
+    """The server's sampled verification (drafts as point masses, two sessions per pass) gives
+    tokens 2..4 the target's joint law (chi-square against enumeration); a server that accepts
+    the first draft at every node fails the same test."""
+    from tests.test_sampling import NEW, VOCAB, _chi2_pvalue, _exact_joint
+    from tests.test_sampling import PROMPT as SMALL_PROMPT
+    from vllm_moa.remote import verifier as verifier_module
+
+    if broken:
+        monkeypatch.setattr(verifier_module, "verify_tree_sampling", _accept_first_children)
+    model = make_hf_model(
+        vocab_size=VOCAB, hidden_size=64, num_heads=1, num_layers=2, seed=6, logit_scale=8.0
+    )
+    target = HFTarget(model)
+    info = TargetInfo(target.shape, target.config.num_attention_heads)
+    independent = IndependentDrafter(make_independent_config(info, preset="small"))
+    v = Verifier(target, ServerHalf(independent, 2), b"\0" * 8, eos_token_ids=[])
+    params = SamplingParams(temperature=0.9)
+    marginal = _exact_joint(target, params).sum(0).flatten()
+    counts = torch.zeros(VOCAB ** (NEW - 1))
+    tree = ([0, 1, 2, 3], [-1, -1, 0, 2])  # two roots' children, one of them two deep
+    accepted = 0
+    for pair_seed in range(1000):
+        sessions = []
+        for seed in (2 * pair_seed, 2 * pair_seed + 1):
+            start = protocol.Start(SMALL_PROMPT, NEW, b"\0" * 8, 0.9, seed=seed)
+            session = v.open(start)
+            v.prefill(session, SMALL_PROMPT)
+            sessions.append(session)
+        while any(s.finish is Finish.NONE for s in sessions):
+            live = [s for s in sessions if s.finish is Finish.NONE]
+            replies = v.verify([(s, protocol.Draft(s.cycle, *tree)) for s in live])
+            accepted += sum(len(r.accepted) for r in replies)
+        for s in sessions:
+            a, b, c = s.generated[1:]
+            counts[(a * VOCAB + b) * VOCAB + c] += 1
+    assert accepted > 500  # drafts were accepted, and (the test's point) rejected
+    pvalue = _chi2_pvalue(counts, marginal)
+    assert (pvalue > 1e-3) == (not broken), pvalue
+
+
+@pytest.mark.slow
+def test_the_cli_serves_and_generates(pair, tiny_target_dir, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    drafter = save_drafter(
+        make_drafter(HFTarget.from_pretrained(tiny_target_dir), tli=1, seed=2), tmp_path / "d"
+    )
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cli = [sys.executable, "-m", "vllm_moa.cli.main"]
+    ask = ["--prompt", "def add(a, b):", "--max-new-tokens", "12", "--json"]
+    common = ["--target", tiny_target_dir, "--drafter", str(drafter)]
+    server = subprocess.Popen(
+        [*cli, "remote-server", *common, "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        run = subprocess.run(
+            [
+                *cli,
+                "remote-generate",
+                "--server",
+                f"127.0.0.1:{port}",
+                *common,
+                *ask,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr
+        record = json.loads(run.stdout)
+        for key in ("text", "token_ids", "server_calls", "bytes_up", "bytes_down"):
+            assert key in record
+        assert record["finish_reason"] in ("length", "eos") and record["disconnected_at"] is None
+        local = subprocess.run(
+            [*cli, "generate", "--target", tiny_target_dir, *ask],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert json.loads(local.stdout)["token_ids"] == record["token_ids"]
+    finally:
+        server.terminate()
+        server.wait(30)
