@@ -62,12 +62,26 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
     elif kind == "standalone_adaptive":
         for r in rows:
             out[f"{Path(r['drafter']).name}/{r['mode']}"] = _num(r["vs_plain"])
+    elif kind == "remote_links":
+        for r in rows:
+            out[f"{_remote_name(r)}/{r['mode']}@{r['profile']}"] = _num(r["tokens_per_s"])
+    elif kind == "remote_capacity":
+        for r in rows:
+            out[f"clients{r['clients']}"] = _num(r["ratio"])
+    elif kind == "remote_disconnect":
+        for r in rows:
+            out[f"{_remote_name(r)}@{r['after']}"] = _num(r["agreement"])
     elif kind == "testbed":
         for method, r in rows.items():
             for k, v in r.items() if method != "plain" else []:
                 if isinstance(v, dict) and "tau" in v:
                     out[f"{method}@{k}"] = _num(v["tau"])
     return out
+
+
+def _remote_name(r: dict[str, Any]) -> str:
+    names = {"moa": f"MoA TLI={r.get('tli')}", "eagle": "EAGLE", "independent": "independent"}
+    return names.get(r["kind"], "stop (API call)")
 
 
 def _config(data: dict[str, Any]) -> dict[str, Any]:
@@ -148,10 +162,43 @@ def _standalone(data: dict[str, Any]) -> Iterator[list[Any]]:
                f"{r['vs_plain']:.2f}x", tau]  # fmt: skip
 
 
+def _remote_links(data: dict[str, Any]) -> Iterator[list[Any]]:
+    yield ["drafter", "drafts", "link", "tok/s per client", "vs plain on server", "tau",
+           "server calls / token", "bytes up / token", "bytes down / token"]  # fmt: skip
+    for r in data["results"]:
+        yield [_remote_name(r), r["mode"], r["profile"], f"{r['tokens_per_s']:.1f}",
+               f"{r['tokens_per_s'] / r['plain_server_tokens_per_s']:.2f}x", f"{r['tau']:.2f}",
+               f"{r['server_calls_per_token']:.3f}", f"{r['bytes_up_per_token']:.0f}",
+               f"{r['bytes_down_per_token']:.0f}"]  # fmt: skip
+
+
+def _remote_capacity(data: dict[str, Any]) -> Iterator[list[Any]]:
+    yield ["clients", "server tok/s: client-server", "target alone", "ratio",
+           "tok/s per client: client-server", "target alone"]  # fmt: skip
+    for r in data["results"]:
+        s, t = r["speculative"], r["target_alone"]
+        yield [r["clients"], f"{s['server_tokens_per_s']:.1f}",
+               f"{t['server_tokens_per_s']:.1f}", f"{r['ratio']:.2f}x",
+               f"{s['client_tokens_per_s']:.1f}", f"{t['client_tokens_per_s']:.1f}"]  # fmt: skip
+
+
+def _remote_disconnect(data: dict[str, Any]) -> Iterator[list[Any]]:
+    yield ["drafter", "lost after B", "verified tokens", "written alone",
+           "target log-lik / token", "agreement with target", "common prefix"]  # fmt: skip
+    for r in sorted(data["results"], key=lambda r: r["after"]):
+        ll = f"{r['loglik_per_token']:.2f}" if r["loglik_per_token"] is not None else "-"
+        yield [_remote_name(r), r["after"], f"{r['verified_tokens']:.1f}",
+               f"{r['written_alone']:.1f}", ll, f"{r['agreement']:.3f}",
+               f"{r['common_prefix']:.1f}"]  # fmt: skip
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
     "throughput": _throughput,
     "serve_sweep": _serve_sweep,
     "standalone_adaptive": _standalone,
+    "remote_links": _remote_links,
+    "remote_capacity": _remote_capacity,
+    "remote_disconnect": _remote_disconnect,
 }
 
 

@@ -58,9 +58,11 @@ class PathProposer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def propose(self, last_token: int, num_tokens: int, params: Any, gen: Any) -> DraftProposal:
-        if self.breadth == 1:
-            return self.inner.propose(last_token, num_tokens, params, gen)
+    def propose(
+        self, last_token: int, num_tokens: int, params: Any, gen: Any, forced: Any = ()
+    ) -> DraftProposal:
+        if self.breadth == 1 or forced:
+            return self.inner.propose(last_token, num_tokens, params, gen, forced)
         budget = self.breadth + (num_tokens - 1) * self.breadth**2  # every node drafted
         tree = self.inner.propose_tree(last_token, num_tokens, self.breadth, budget)
         tokens = best_path(tree, num_tokens, self.keep_first)

@@ -496,3 +496,78 @@ def test_the_cli_serves_and_generates(pair, tiny_target_dir, tmp_path):
     finally:
         server.terminate()
         server.wait(30)
+
+
+@pytest.mark.parametrize("kind", ["moa0", "moa1", "eagle", "independent"])
+def test_forcing_a_drafters_own_choices_changes_nothing(pair, kind):
+    """`propose(..., forced=F)`: with F the drafter's own first choices, the same drafts; with
+    other tokens, they are taken as given; the proposer's state is untouched either way."""
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.decoding import make_proposer
+
+    target = HFTarget.from_pretrained(pair["target"])
+    proposer = make_proposer(load_drafter(pair[kind], target=target.shape), target)
+    out = target.forward(torch.tensor(PROMPT), proposer.hidden_layers)
+    proposer.start(PROMPT, out)
+    greedy = SamplingParams()
+    free = proposer.propose(9, 8, greedy, None).tokens
+    proposer.withdraw()
+    assert proposer.propose(9, 8, greedy, None, forced=free[:5]).tokens == free
+    proposer.withdraw()
+    other = [(t + 1) % 256 for t in free[:3]]
+    assert proposer.propose(9, 8, greedy, None, forced=other).tokens[:3] == other
+    proposer.withdraw()
+    assert proposer.propose(9, 8, greedy, None).tokens == free
+
+
+def test_a_client_that_gets_its_server_back_resumes_verification(pair, plain):
+    """The link dies mid-response; the client writes alone in chunks and reconnects; the
+    server verifies what it wrote (one draft) and decoding goes on: the output is plain
+    decoding's, token for token."""
+    server = RunningServer(pair["target"], pair["moa1"])
+    try:
+        client = RemoteClient(server.address, pair["target"], pair["moa1"])
+        _oracle(client, pair["target"])
+        calls = 0
+        real_call = protocol.recv_frame
+
+        def dying_recv(sock: socket.socket, limit: int = protocol.MAX_FRAME_BYTES) -> bytes:
+            nonlocal calls
+            calls += 1
+            if calls == 4:
+                raise ConnectionResetError("link lost")
+            return real_call(sock, limit)
+
+        protocol.recv_frame = dying_recv  # type: ignore[assignment]
+        try:
+            result = client.generate(PROMPT, 40, reconnect_every=5)
+        finally:
+            protocol.recv_frame = real_call  # type: ignore[assignment]
+        assert result.disconnected_at is not None and result.reconnections == 1
+        assert result.token_ids == plain(PROMPT, 40)
+    finally:
+        server.stop()
+
+
+def test_a_private_suffix_never_reaches_the_server(pair):
+    server = RunningServer(pair["target"], pair["moa0"])
+    seen: list[list[int]] = []
+    real_open = server.verifier.open
+
+    def spy(start: protocol.Start) -> object:
+        seen.append(list(start.prompt))
+        return real_open(start)
+
+    server.verifier.open = spy  # type: ignore[method-assign,assignment]
+    try:
+        client = RemoteClient(server.address, pair["target"], pair["moa0"])
+        secret = [201, 202, 203, 204]
+        result = client.generate(PROMPT, 20, private_suffix=secret)
+        assert seen == [PROMPT]  # the server saw the safe prefix only
+        assert len(result.token_ids) == 20 and result.disconnected_at == 0
+        assert result.server_calls == 1
+        others = [client.generate(PROMPT, 20, private_suffix=[s, 7, s]).token_ids for s in (9, 99)]
+        assert len({tuple(result.token_ids), *map(tuple, others)}) > 1  # the suffix is read
+        assert len(seen) == 3 and all(p == PROMPT for p in seen)
+    finally:
+        server.stop()

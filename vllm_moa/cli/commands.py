@@ -235,6 +235,11 @@ def remote_generate(args: argparse.Namespace) -> int:
     tree = _tree_params(args)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     ids = _encode_prompt(tokenizer, _read_prompt(args), args.chat, args.target)
+    private: list[int] = []
+    if args.private_suffix:
+        if args.chat:
+            raise ValueError("--private-suffix cannot be combined with --chat")
+        private = list(tokenizer(args.private_suffix, add_special_tokens=False)["input_ids"])
     client = RemoteClient(args.server, args.target, args.drafter, dtype=dtype, device=device)
     result = client.generate(
         ids,
@@ -245,6 +250,8 @@ def remote_generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         eos_token_ids=_eos_ids_of(args.target, tokenizer),
         disconnect_after=args.disconnect_after,
+        reconnect_every=args.reconnect_every,
+        private_suffix=private,
     )
     record = {
         "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),

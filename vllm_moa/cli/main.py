@@ -153,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="drop the server after B tokens and finish on the device",
     )
+    p.add_argument(
+        "--reconnect-every",
+        type=positive_int,
+        default=None,
+        help="if the server is lost: write N tokens alone at a time, retrying the server "
+        "between them; once back it verifies them and decoding goes on (lossless)",
+    )
+    p.add_argument(
+        "--private-suffix",
+        default=None,
+        help="text appended to the prompt on this device only: the server never sees it, and "
+        "the device writes the response (the paper's appendix A.6)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_runtime_flags(p)
     p.set_defaults(func=commands.remote_generate)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from vllm_moa.decoding.proposer import DraftProposal, choose_token
+from vllm_moa.decoding.proposer import DraftProposal, draft_token
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.decoding.tree_search import NodeKV, TreeSearch
@@ -61,7 +63,12 @@ class EagleProposer:
         return layer(x[:, -1:], positions[-1:], k, v, None)[0, -1]
 
     def propose(
-        self, last_token: int, num_tokens: int, params: SamplingParams, gen: torch.Generator | None
+        self,
+        last_token: int,
+        num_tokens: int,
+        params: SamplingParams,
+        gen: torch.Generator | None,
+        forced: Sequence[int] = (),
     ) -> DraftProposal:
         p, first = len(self.tokens), self.cache.length()
         seq = [*self.tokens, last_token]
@@ -70,7 +77,7 @@ class EagleProposer:
         logits, probs = [], []
         for i in range(num_tokens):
             row = self.target.lm_logits(predicted[None].to(self.target.dtype))[0]
-            token, dist = choose_token(row, params, gen)
+            token, dist = draft_token(row, i, forced, params, gen)
             drafts.append(token)
             logits.append(row)
             if dist is not None:
@@ -139,14 +146,19 @@ class IndependentProposer:
         return self.target.lm_logits(last.to(self.target.dtype))[0]
 
     def propose(
-        self, last_token: int, num_tokens: int, params: SamplingParams, gen: torch.Generator | None
+        self,
+        last_token: int,
+        num_tokens: int,
+        params: SamplingParams,
+        gen: torch.Generator | None,
+        forced: Sequence[int] = (),
     ) -> DraftProposal:
         seq = [*self.tokens, last_token]
         drafts: list[int] = []
         logits, probs = [], []
-        for _ in range(num_tokens):
+        for i in range(num_tokens):
             row = self._logits(seq)
-            token, dist = choose_token(row, params, gen)
+            token, dist = draft_token(row, i, forced, params, gen)
             drafts.append(token)
             seq.append(token)
             logits.append(row)

@@ -13,10 +13,12 @@ K/V are cropped off the target cache afterwards) and the target's LM head.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
-from vllm_moa.decoding.proposer import DraftProposal, choose_token
+from vllm_moa.decoding.proposer import DraftProposal, draft_token
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.decoding.tree_search import NodeKV, TreeSearch
@@ -102,6 +104,7 @@ class MoAProposer:
         num_tokens: int,
         params: SamplingParams,
         generator: torch.Generator | None,
+        forced: Sequence[int] = (),
     ) -> DraftProposal:
         p = self._check_sync()
         self.tokens.append(last_token)
@@ -109,7 +112,7 @@ class MoAProposer:
         logits, probs = [], []
         for i in range(num_tokens):
             row = self.draft_logits(p + i)
-            token, dist = choose_token(row, params, generator)
+            token, dist = draft_token(row, i, forced, params, generator)
             drafts.append(token)
             self.tokens.append(token)
             logits.append(row)

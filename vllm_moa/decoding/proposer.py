@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -38,7 +39,11 @@ class Proposer(Protocol):
         num_tokens: int,
         params: SamplingParams,
         generator: torch.Generator | None,
-    ) -> DraftProposal: ...
+        forced: Sequence[int] = (),
+    ) -> DraftProposal:
+        """`forced`: the first drafts are these tokens (teacher forcing), so a drafter can
+        write on after text it did not choose (a client finishing a response alone)."""
+        ...
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None: ...
 
@@ -61,6 +66,20 @@ class TreeProposer(Proposer, Protocol):
     cycle, then `accept` with the accepted path (MoA, EAGLE and independent drafters)."""
 
     def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree: ...
+
+
+def draft_token(
+    logits: torch.Tensor,
+    i: int,
+    forced: Sequence[int],
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, torch.Tensor | None]:
+    """Draft i: `forced[i]` if given (with the distribution it would have been sampled from,
+    so a proposal's probs stay one row per draft), else `choose_token`."""
+    if i < len(forced):
+        return forced[i], None if params.greedy else probabilities(logits, params)
+    return choose_token(logits, params, generator)
 
 
 def choose_token(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ class RemoteResult:
     accepted_tokens: int  # drafts the server accepted
     wall_time_s: float
     disconnected_at: int | None  # tokens generated when the server was lost; None if never
+    reconnections: int = 0  # times the server was reached again after a loss
 
     @property
     def mean_accepted_length(self) -> float:
@@ -119,6 +120,76 @@ class _Link:
             pass
 
 
+@dataclass
+class _Run:
+    """One generate() call's state across links."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    eos: set[int]
+    context: int  # the target's max length
+    began: float
+    generated: list[int] = field(default_factory=list)  # verified by the server
+    finish: Finish = Finish.NONE
+    cycle: int = 0  # the current session's next DRAFT number
+    cycles: int = 0
+    accepted: int = 0
+    calls: int = 0
+    up: int = 0
+    down: int = 0
+    reconnections: int = 0
+    disconnected_at: int | None = None
+
+    def length(self) -> int:
+        return len(self.prompt) + len(self.generated)
+
+    def room(self) -> int:
+        """Tokens still allowed after the generated ones."""
+        return self.max_new_tokens - len(self.generated)
+
+    def absorb_link(self, link: _Link) -> None:
+        self.calls, self.up, self.down = (
+            self.calls + link.calls,
+            self.up + link.up,
+            self.down + link.down,
+        )
+        link.calls = link.up = link.down = 0
+
+    def finished_alone(self, local: list[int]) -> str | None:
+        """Why the response ends within `local` (cut there), or None."""
+        text = self.generated + local
+        for i in range(len(self.generated), len(text)):
+            if text[i] in self.eos:
+                del local[i - len(self.generated) + 1 :]
+                return "eos"
+        if self.generated and self.generated[-1] in self.eos:
+            return "eos"
+        if len(text) >= self.max_new_tokens:
+            return "length"
+        if len(self.prompt) + len(text) >= self.context:
+            return "context"
+        return None
+
+    def finish_alone(self, local: list[int]) -> str:
+        reason = self.finished_alone(local)
+        self.generated += local
+        return reason or "length"
+
+    def result(self, reason: str) -> RemoteResult:
+        return RemoteResult(
+            token_ids=self.generated,
+            finish_reason=reason,
+            server_calls=self.calls,
+            bytes_up=self.up,
+            bytes_down=self.down,
+            cycles=self.cycles,
+            accepted_tokens=self.accepted,
+            wall_time_s=time.perf_counter() - self.began,
+            disconnected_at=self.disconnected_at,
+            reconnections=self.reconnections,
+        )
+
+
 class RemoteClient:
     def __init__(
         self,
@@ -151,82 +222,178 @@ class RemoteClient:
         seed: int | None = None,
         eos_token_ids: list[int] | tuple[int, ...] = (),
         disconnect_after: int | None = None,
+        reconnect_every: int | None = None,
+        private_suffix: list[int] | tuple[int, ...] = (),
     ) -> RemoteResult:
+        """Speculative decoding against the server. `disconnect_after` B: leave the server once
+        B tokens are out and finish alone. `reconnect_every` N: after a lost link, write N tokens
+        alone at a time and try to reconnect between them; once back, the server verifies what
+        was written alone (one draft) and decoding goes on, so the output stays lossless.
+        `private_suffix`: prompt tokens the server never sees (the paper's appendix A.6): the
+        server runs only `prompt_ids`, and the device writes the whole response with its
+        drafter, over the prefix's activations and the private suffix."""
         params = params or SamplingParams()
         if tree is not None and not isinstance(self.proposer, TreeProposer):
             raise ValueError(f"a {self.kind} drafter does not draft trees")
-        t0 = time.perf_counter()
+        if reconnect_every is not None and reconnect_every < 1:
+            raise ValueError(f"reconnect_every must be >= 1, got {reconnect_every}")
+        run = _Run(
+            list(prompt_ids),
+            max_new_tokens,
+            set(eos_token_ids),
+            self.target.max_length,
+            time.perf_counter(),
+        )
+        gen = torch.Generator(device=self.target.device)
+        gen.manual_seed(seed) if seed is not None else gen.seed()
         try:
             link = _Link(self.address, self.timeout_s)
         except OSError as e:
             host, port = self.address
             raise ConnectionError(f"cannot reach the server at {host}:{port}: {e}") from None
+        self._open(link, run, params, seed)  # no local fallback before the prompt's rows arrive
+        if private_suffix:
+            link.close(polite=True)
+            run.absorb_link(link)
+            return self._private(run, list(private_suffix), params, gen)
+        while True:
+            lost = self._speculate(link, run, num_speculative_tokens, tree, disconnect_after)
+            run.absorb_link(link)
+            if not lost:
+                return run.result(run.finish.reason or "length")
+            if run.disconnected_at is None:
+                run.disconnected_at = len(run.generated)
+            if reconnect_every is None or disconnect_after is not None:
+                alone = self._write_alone(run, [], run.room(), params, gen)
+                return run.result(run.finish_alone(alone))
+            local: list[int] = []
+            while True:  # alone, trying to get the server back between chunks
+                local = self._write_alone(run, local, reconnect_every, params, gen)
+                reason = run.finished_alone(local)
+                if reason is not None:
+                    run.generated += local
+                    return run.result(reason)
+                try:
+                    link = _Link(self.address, self.timeout_s)
+                    lost_again = self._resume(link, run, local, params, seed)
+                except OSError:  # still unreachable (ConnectionError is an OSError)
+                    continue
+                if lost_again is not None:
+                    run.absorb_link(link)
+                    local = lost_again
+                    continue
+                run.reconnections += 1
+                break
+
+    def _open(self, link: _Link, run: _Run, params: SamplingParams, seed: int | None) -> None:
+        """START a session over the prompt and everything verified so far."""
+        context = run.prompt + run.generated
         start = protocol.Start(
-            list(prompt_ids),
-            max_new_tokens,
+            context,
+            run.max_new_tokens - len(run.generated),
             self.fingerprint,
             params.temperature,
             params.top_p,
             params.top_k,
             seed,
         )
-        reply = link.call(start)  # no local fallback before the prompt's activations arrive
+        reply = link.call(start)
         if not isinstance(reply, protocol.Started):
             raise RemoteError(400, f"expected STARTED, got {type(reply).__name__}")
         self.target.reset()
-        self._absorb(reply.rows, len(prompt_ids), start=list(prompt_ids))
-        generated = [reply.first_token]
-        finish = reply.finish
-        cycles = accepted_total = 0
-        disconnected_at: int | None = None
-        gen = torch.Generator(device=self.target.device)
-        gen.manual_seed(seed) if seed is not None else gen.seed()
-        while finish is Finish.NONE:
-            if disconnect_after is not None and len(generated) >= disconnect_after:
-                link.close(polite=True)
-                disconnected_at = len(generated)
-                break
-            last = generated[-1]
-            draft = self._draft(
-                last,
-                len(prompt_ids) + len(generated) - 1,
-                max_new_tokens - len(generated),
-                num_speculative_tokens,
-                tree,
+        self._absorb(reply.rows, len(context), start=context)
+        run.generated.append(reply.first_token)
+        run.finish = reply.finish
+        run.cycle = 0
+
+    def _resume(
+        self, link: _Link, run: _Run, local: list[int], params: SamplingParams, seed: int | None
+    ) -> list[int] | None:
+        """Back online: a new session over the verified text, then what was written alone
+        goes to the server as one draft chain (its first token is checked against STARTED's).
+        None once the server has it; if the link dies again meanwhile, what is still
+        unverified of `local`."""
+        self._open(link, run, params, seed)  # a failure here changes nothing
+        if run.finish is not Finish.NONE or not local or run.generated[-1] != local[0]:
+            return None
+        rest = local[1:]
+        draft = rest[: min(protocol.MAX_TREE_NODES, run.room() - 1)]
+        if not draft:
+            return None
+        self.proposer.propose(run.generated[-1], 0, GREEDY, None)  # accept() follows
+        try:
+            self._verify(
+                link, run, DraftTree(draft, list(range(-1, len(draft) - 1)), [0.0] * len(draft))
             )
+        except ConnectionError:
+            self.proposer.withdraw()
+            link.close(polite=False)
+            return rest
+        return None
+
+    def _speculate(
+        self,
+        link: _Link,
+        run: _Run,
+        k: int,
+        tree: TreeParams | None,
+        disconnect_after: int | None,
+    ) -> bool:
+        """Cycles until the response finishes (False) or the server is gone (True)."""
+        while run.finish is Finish.NONE:
+            if disconnect_after is not None and len(run.generated) >= disconnect_after:
+                link.close(polite=True)
+                return True
+            position = len(run.prompt) + len(run.generated) - 1
+            draft = self._draft(run.generated[-1], position, run.room(), k, tree)
             try:
-                answer = link.call(protocol.Draft(cycles, draft.tokens, draft.parents))
+                self._verify(link, run, draft)
             except ConnectionError:
                 self.proposer.withdraw()  # the draft in flight will never be verified
-                disconnected_at = len(generated)
-                break
-            if not isinstance(answer, protocol.Verified) or answer.cycle != cycles:
-                raise RemoteError(400, f"unexpected reply {type(answer).__name__}")
-            emitted = [*answer.accepted, answer.next_token]
-            generated.extend(emitted)
-            cycles += 1
-            accepted_total += len(answer.accepted)
-            finish = answer.finish
-            if finish is Finish.NONE:
-                self._absorb(answer.rows, len(answer.accepted) + 1, accepted=answer.accepted)
-        if disconnected_at is None:
-            link.close(polite=True)
-            reason = finish.reason or "length"
-        else:
-            reason = self._finish_alone(
-                generated, len(prompt_ids), max_new_tokens, params, gen, set(eos_token_ids)
-            )
-        return RemoteResult(
-            token_ids=generated,
-            finish_reason=reason,
-            server_calls=link.calls,
-            bytes_up=link.up,
-            bytes_down=link.down,
-            cycles=cycles,
-            accepted_tokens=accepted_total,
-            wall_time_s=time.perf_counter() - t0,
-            disconnected_at=disconnected_at,
-        )
+                link.close(polite=False)
+                return True
+        link.close(polite=True)
+        return False
+
+    def _verify(self, link: _Link, run: _Run, draft: DraftTree) -> None:
+        answer = link.call(protocol.Draft(run.cycle, draft.tokens, draft.parents))
+        if not isinstance(answer, protocol.Verified) or answer.cycle != run.cycle:
+            raise RemoteError(400, f"unexpected reply {type(answer).__name__}")
+        run.generated.extend([*answer.accepted, answer.next_token])
+        run.cycle += 1
+        run.cycles += 1
+        run.accepted += len(answer.accepted)
+        run.finish = answer.finish
+        if run.finish is Finish.NONE:
+            self._absorb(answer.rows, len(answer.accepted) + 1, accepted=answer.accepted)
+
+    def _write_alone(
+        self, run: _Run, local: list[int], more: int, params: SamplingParams, gen: torch.Generator
+    ) -> list[int]:
+        """`local` (tokens written alone after the verified ones) and up to `more` after them.
+        The drafter restarts from its verified state each time, with `local` forced."""
+        if run.generated[-1] in run.eos:
+            return local
+        n = min(len(local) + more, run.room(), self.target.max_length - run.length() - 1)
+        if n <= len(local):
+            return local
+        return self.proposer.propose(run.generated[-1], n, params, gen, forced=local).tokens
+
+    def _private(
+        self, run: _Run, private: list[int], params: SamplingParams, gen: torch.Generator
+    ) -> RemoteResult:
+        """The response to prompt + private suffix, written on the device: the server only
+        ever saw (and answered with the activations of) the prompt."""
+        run.generated = []  # the server's token continued the prompt alone: not the response
+        room = min(run.max_new_tokens, self.target.max_length - len(run.prompt) - len(private))
+        if room < 1:
+            raise ValueError("no room left in the target's context after the private suffix")
+        forced = private[1:]
+        proposal = self.proposer.propose(private[0], len(forced) + room, params, gen, forced=forced)
+        local = proposal.tokens[len(forced) :]
+        run.disconnected_at = 0
+        run.prompt = run.prompt + private
+        return run.result(run.finish_alone(local))
 
     def _draft(
         self, last: int, position: int, left: int, k: int, tree: TreeParams | None
@@ -270,29 +437,3 @@ class RemoteClient:
         else:
             assert accepted is not None
             self.proposer.accept(accepted, out)
-
-    def _finish_alone(
-        self,
-        generated: list[int],
-        prompt_len: int,
-        max_new_tokens: int,
-        params: SamplingParams,
-        gen: torch.Generator,
-        eos: set[int],
-    ) -> str:
-        """Without the server: the drafter writes the rest of the response (in place)."""
-        if generated[-1] in eos:
-            return "eos"
-        room = min(
-            max_new_tokens - len(generated),
-            self.target.max_length - prompt_len - len(generated) - 1,
-        )
-        if room > 0:
-            proposal = self.proposer.propose(generated[-1], room, params, gen)
-            for token in proposal.tokens:
-                generated.append(token)
-                if token in eos:
-                    return "eos"
-        if len(generated) >= max_new_tokens:
-            return "length"
-        return "context"

@@ -162,6 +162,8 @@ class RemoteServer:
             await self._send(writer, protocol.Error(e.code, str(e)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away: its session goes with it
+        except Exception as e:  # a failed target pass (logged by the worker): tell this client
+            await self._send(writer, protocol.Error(500, f"server error: {e}"))
         finally:
             if session is not None:
                 self.sessions -= 1
