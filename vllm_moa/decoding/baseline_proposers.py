@@ -95,7 +95,9 @@ class EagleProposer:
         return tree
 
     def withdraw(self) -> None:
-        self._last_token = None  # propose() already dropped the drafted positions' K/V
+        # propose() kept positions < p, but not the output at p-1 the next draft starts from.
+        self.cache.crop(max(0, len(self.tokens) - 1))
+        self._last_token = None
 
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         if self._last_token is None:
