@@ -192,15 +192,12 @@ def test_breadth_one_tree_is_the_greedy_chain(target, kind):
 
 
 @pytest.mark.parametrize("kind", ["moa", "moa_sliding_window", "eagle", "independent"])
-def test_tree_node_scores_are_forced_chain_log_probs(target, kind, monkeypatch):
+def test_tree_node_scores_are_forced_chain_log_probs(target, kind):
     """Breadth 3: every node's joint log-probability equals the one a fresh chain proposer gives
     its path when forced to draft exactly those tokens, so each expanded node saw the prefix and
     its own ancestors only (and EAGLE its parent's predicted feature). moa_sliding_window: a
     mistral target (window 7) past its window, TLI=2: the tree's tail layers honour the window
     as the chain's do."""
-    import vllm_moa.decoding.baseline_proposers as bp
-    import vllm_moa.decoding.moa_proposer as mp
-
     prompt = [1, 5, 3, 7, 7, 2]
     if kind.startswith("moa"):
         from conftest import make_drafter
@@ -227,15 +224,7 @@ def test_tree_node_scores_are_forced_chain_log_probs(target, kind, monkeypatch):
         while a >= 0:
             path.insert(0, tree.tokens[a])
             a = tree.parents[a]
-        forced = functools.partial(_forced_token, iter(path))
-        for module in (bp, mp):
-            monkeypatch.setattr(module, "choose_token", forced)
         chain, _ = started()
-        logits = chain.propose(last, len(path), SamplingParams(), None).logits
+        logits = chain.propose(last, len(path), SamplingParams(), None, forced=path).logits
         logp = sum(float(logits[i].detach().log_softmax(-1)[t]) for i, t in enumerate(path))
         assert logp == pytest.approx(tree.log_probs[node], abs=1e-4), (node, path)
-
-
-def _forced_token(tokens, *args):
-    """choose_token stand-in: the next token of a fixed path, as if chosen greedily."""
-    return next(tokens), None
