@@ -1,8 +1,10 @@
 """A userspace network link between a client and a server: delay, jitter, bandwidth and loss.
 
-The issue asks for Linux traffic control (`tc netem`) in network namespaces. This machine's
-kernel has no `sch_netem` (`tc qdisc add ... netem` answers "Specified qdisc kind is unknown",
-and there is no modprobe), so the profiles are applied by a TCP relay instead, per direction:
+Two ways (`open_links`): Linux traffic control, the server in a network namespace behind a veth
+pair with `tc netem` on both ends (needs root, iproute2 and the kernel's `sch_netem`), or, where
+netem is missing, a TCP relay in userspace. The machine these results come from has no
+`sch_netem` (`tc qdisc add ... netem` answers "Specified qdisc kind is unknown", and there is no
+modprobe), so its runs used the relay. The relay applies a profile per direction:
 each chunk the relay reads is serialised at the link's rate, then delivered after a delay drawn
 from a normal distribution (clipped at 0, in order, as TCP delivers), and each 1448-byte packet
 in it is lost with the profile's probability, which costs a retransmission timeout (200 ms,
@@ -13,10 +15,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 MSS = 1448
 RTO_S = 0.2
@@ -127,3 +133,121 @@ class LinkEmulator:
 
         asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
         self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+# -- the two ways to put a link between client and server --------------------------------------
+
+
+def _sh(*cmd: str, netns: str | None = None) -> subprocess.CompletedProcess[str]:
+    full = ["ip", "netns", "exec", netns, *cmd] if netns else list(cmd)
+    return subprocess.run(full, capture_output=True, text=True, check=False)
+
+
+def netem_unavailable() -> str | None:
+    """Why `tc netem` in a network namespace cannot be used here, or None if it can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "iproute2 (ip, tc) is not installed"
+    probe = "moa-netem-probe"
+    made = _sh("ip", "netns", "add", probe)
+    if made.returncode:
+        return f"cannot make a network namespace: {made.stderr.strip()}"
+    try:
+        tried = _sh("tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms", netns=probe)
+        return f"tc netem: {tried.stderr.strip()}" if tried.returncode else None
+    finally:
+        _sh("ip", "netns", "del", probe)
+
+
+class Links:
+    """Where the server listens and how the client reaches it under each profile."""
+
+    kind = ""
+    server_host = "127.0.0.1"
+    server_prefix: ClassVar[tuple[str, ...]] = ()  # prepended to the server's command
+
+    def client_address(self, profile: LinkProfile, server_port: int) -> tuple[str, int]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class RelayLinks(Links):
+    """The userspace relay of this module, one per profile."""
+
+    kind = "relay"
+
+    def __init__(self) -> None:
+        self.relays: list[LinkEmulator] = []
+
+    def client_address(self, profile: LinkProfile, server_port: int) -> tuple[str, int]:
+        relay = LinkEmulator(("127.0.0.1", server_port), profile, seed=len(self.relays) + 1)
+        self.relays.append(relay)
+        return "127.0.0.1", relay.start()
+
+    def close(self) -> None:
+        for relay in self.relays:
+            relay.stop()
+
+
+class NetemLinks(Links):
+    """The server in a network namespace behind a veth pair, `tc netem` on both ends (each
+    direction pays the profile's delay, as with the relay)."""
+
+    kind = "netem"
+    NS, CLIENT_DEV, SERVER_DEV = "moa-server", "moa-c", "moa-s"
+    server_host = "10.200.0.2"
+    server_prefix: ClassVar[tuple[str, ...]] = ("ip", "netns", "exec", NS)
+
+    def __init__(self) -> None:
+        ns, c, s = self.NS, self.CLIENT_DEV, self.SERVER_DEV
+        _sh("ip", "netns", "del", ns)  # a leftover of an interrupted run
+        steps = [
+            (None, ["ip", "netns", "add", ns]),
+            (None, ["ip", "link", "add", c, "type", "veth", "peer", "name", s]),
+            (None, ["ip", "link", "set", s, "netns", ns]),
+            (None, ["ip", "addr", "add", "10.200.0.1/30", "dev", c]),
+            (None, ["ip", "link", "set", c, "up"]),
+            (ns, ["ip", "addr", "add", "10.200.0.2/30", "dev", s]),
+            (ns, ["ip", "link", "set", s, "up"]),
+            (ns, ["ip", "link", "set", "lo", "up"]),
+        ]
+        for where, cmd in steps:
+            done = _sh(*cmd, netns=where)
+            if done.returncode:
+                self.close()
+                raise RuntimeError(f"{' '.join(cmd)}: {done.stderr.strip()}")
+
+    def client_address(self, profile: LinkProfile, server_port: int) -> tuple[str, int]:
+        args = ["netem"]
+        if profile.delay_ms:
+            args += ["delay", f"{profile.delay_ms}ms", f"{profile.jitter_ms}ms"]
+            args += ["distribution", "normal"] if profile.jitter_ms else []
+        if profile.loss:
+            args += ["loss", f"{100 * profile.loss}%"]
+        if profile.rate_mbit:
+            args += ["rate", f"{profile.rate_mbit}mbit"]
+        for where, dev in ((None, self.CLIENT_DEV), (self.NS, self.SERVER_DEV)):
+            if args == ["netem"]:  # unconstrained: no qdisc of ours (none may be there yet)
+                _sh("tc", "qdisc", "del", "dev", dev, "root", netns=where)
+                continue
+            done = _sh("tc", "qdisc", "replace", "dev", dev, "root", *args, netns=where)
+            if done.returncode:
+                raise RuntimeError(f"tc netem on {dev}: {done.stderr.strip()}")
+        return self.server_host, server_port
+
+    def close(self) -> None:
+        _sh("ip", "netns", "del", self.NS)  # takes the veth pair with it
+
+
+def open_links(kind: str) -> tuple[Links, str | None]:
+    """`netem`, `relay`, or `auto` (netem where it works, else the relay): the links, and why
+    netem was not used (None if it was)."""
+    why = netem_unavailable() if kind in ("auto", "netem") else "the relay was asked for"
+    if why is None:
+        return NetemLinks(), None
+    if kind == "netem":
+        raise SystemExit(f"--link netem: {why}")
+    return RelayLinks(), why

@@ -138,30 +138,31 @@ def target_alone(target_dir: str, prompts: list[list[int]], max_tokens: int) -> 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from benchmarks.link_emulator import PROFILES, LinkEmulator
+    from benchmarks.link_emulator import PROFILES, open_links
     from benchmarks.remote_links import _start_server
     from benchmarks.testbed.evaluate import read_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     texts = read_prompts(Path(args.prompts), max(args.clients))
     prompts = [tokenizer(p)["input_ids"] for p in texts]
-    proc, port = _start_server(args.target, args.drafter)
+    links, why = open_links(args.link)
+    print(f"links: {links.kind}" + (f" ({why})" if why else ""), flush=True)
+    proc, port = _start_server(args.target, args.drafter, links)
     rows = []
     try:
         torch.set_num_threads(1)
-        recs = record(args, f"127.0.0.1:{port}", prompts)
+        recs = record(args, f"{links.server_host}:{port}", prompts)
         torch.set_num_threads(2)
-        link = LinkEmulator(("127.0.0.1", port), PROFILES[args.profile], seed=2)
-        relay = ("127.0.0.1", link.start())
+        relay = links.client_address(PROFILES[args.profile], port)
         for b in args.clients:
             spec = asyncio.run(replay_many(relay, recs[:b]))
-            row = {"clients": b, "speculative": spec}
+            row = {"clients": b, "speculative": spec, "link": links.kind}
             rows.append(row)
             print(row, flush=True)
-        link.stop()
     finally:
         proc.terminate()
         proc.wait(30)
+        links.close()
     for row in rows:
         b = row["clients"]
         row["target_alone"] = target_alone(args.target, prompts[:b], args.max_tokens)
@@ -203,6 +204,7 @@ def main() -> None:
     p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--profile", default="unconstrained", choices=["unconstrained", "5g", "4g"])
+    p.add_argument("--link", choices=["auto", "netem", "relay"], default="auto")
     p.add_argument("--k", type=int, default=4, help="chain length")
     p.add_argument("--tree", type=int, nargs=3, default=None, metavar=("D", "B", "M"))
     p.add_argument("--max-tokens", type=int, default=64)

@@ -31,15 +31,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _start_server(target: str, drafter: str) -> tuple[subprocess.Popen[str], int]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "vllm_moa.cli.main", "remote-server", "--target", target]
-    cmd += ["--drafter", drafter, "--port", str(port)]
+def _start_server(target: str, drafter: str, links: Any) -> tuple[subprocess.Popen[str], int]:
+    """`vllm-moa remote-server` where `links` (link_emulator.Links) wants it."""
+    port, host = _free_port(), links.server_host
+    cmd = [*links.server_prefix, sys.executable, "-m", "vllm_moa.cli.main", "remote-server"]
+    cmd += ["--target", target, "--drafter", drafter, "--host", host, "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True)
     deadline = time.time() + 300
     while time.time() < deadline:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            socket.create_connection((host, port), timeout=1).close()
             return proc, port
         except OSError:
             time.sleep(0.5)
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import torch
     from transformers import AutoTokenizer
 
-    from benchmarks.link_emulator import PROFILES, LinkEmulator
+    from benchmarks.link_emulator import PROFILES, open_links
     from benchmarks.testbed.evaluate import read_prompts
     from vllm_moa.decoding import SpeculativeEngine
     from vllm_moa.decoding.tree import TreeParams
@@ -76,12 +77,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.tree:
         modes["tree"] = TreeParams(*args.tree)
     rows: list[dict[str, Any]] = []
+    links, why = open_links(args.link)
+    print(f"links: {links.kind}" + (f" ({why})" if why else ""), flush=True)
     for drafter in args.drafter:
-        proc, port = _start_server(args.target, drafter)
+        proc, port = _start_server(args.target, drafter, links)
         try:
             for profile_name in args.profiles:
-                link = LinkEmulator(("127.0.0.1", port), PROFILES[profile_name], seed=1)
-                address = f"127.0.0.1:{link.start()}"
+                host, relay_port = links.client_address(PROFILES[profile_name], port)
+                address = f"{host}:{relay_port}"
                 client = RemoteClient(address, args.target, drafter)
                 client.generate(prompts[0], 8)  # warm-up
                 for mode, tree in modes.items():
@@ -109,13 +112,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                         "bytes_up_per_token": sum(r.bytes_up for r in results) / tokens,
                         "bytes_down_per_token": sum(r.bytes_down for r in results) / tokens,
                         "plain_server_tokens_per_s": base,
+                        "link": links.kind,
                     }
                     rows.append(row)
                     print({k: v for k, v in row.items() if k != "tokens_per_s_all"}, flush=True)
-                link.stop()
         finally:
             proc.terminate()
             proc.wait(30)
+    links.close()
     return rows
 
 
@@ -158,6 +162,13 @@ def main() -> None:
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
     p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
     p.add_argument("--profiles", nargs="+", default=["unconstrained", "5g", "4g"])
+    p.add_argument(
+        "--link",
+        choices=["auto", "netem", "relay"],
+        default="auto",
+        help="tc netem in network namespaces (root, iproute2, sch_netem) or the userspace relay; "
+        "auto: netem where it works",
+    )
     p.add_argument("--k", type=int, default=4, help="chain length")
     p.add_argument("--tree", type=int, nargs=3, default=[5, 4, 24], metavar=("D", "B", "M"))
     p.add_argument("--num-prompts", type=int, default=4)
