@@ -22,3 +22,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python scripts/vllm_cpu_fixups.py
   echo "$want" > "$stamp"
 fi
+# The client-server link benchmarks (benchmarks/remote_links.py) use iproute2 for network
+# namespaces and tc netem; install it where it is missing and we may (Debian, root). No test
+# needs it: without it (or without the kernel's sch_netem) they use a userspace relay.
+if ! command -v tc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get install -y -q iproute2 >/dev/null 2>&1 ||
+    echo "setup: iproute2 not installed; the link benchmarks will use their userspace relay" >&2
+fi

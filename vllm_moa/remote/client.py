@@ -171,9 +171,12 @@ class _Run:
         return None
 
     def finish_alone(self, local: list[int]) -> str:
+        """Take `local` as the end of the response; why it ends."""
         reason = self.finished_alone(local)
         self.generated += local
-        return reason or "length"
+        if reason is not None:
+            return reason
+        return "length" if len(self.generated) >= self.max_new_tokens else "context"
 
     def result(self, reason: str) -> RemoteResult:
         return RemoteResult(
