@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -333,7 +334,26 @@ def test_forward_trees_equals_one_sequence_at_a_time():
     assert [c.length(0) for c in caches] == [12, 4, 18]
 
 
-def test_a_disconnected_client_finishes_the_response_on_the_device(pair, plain):
+@contextlib.contextmanager
+def link_dies_at_reply(n: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The client's n-th read of a reply fails as if the connection was reset (only that one:
+    a reconnection finds the server again)."""
+    real = protocol.recv_frame
+    calls = 0
+
+    def dying(sock: socket.socket, limit: int = protocol.MAX_FRAME_BYTES) -> bytes:
+        nonlocal calls
+        calls += 1
+        if calls == n:
+            raise ConnectionResetError("link lost")
+        return real(sock, limit)
+
+    with monkeypatch.context() as m:
+        m.setattr(protocol, "recv_frame", dying)
+        yield
+
+
+def test_a_disconnected_client_finishes_the_response_on_the_device(pair, plain, monkeypatch):
     server = RunningServer(pair["target"], pair["moa1"])
     try:
         client = RemoteClient(server.address, pair["target"], pair["moa1"])
@@ -345,21 +365,8 @@ def test_a_disconnected_client_finishes_the_response_on_the_device(pair, plain):
         assert result.token_ids[:verified] == plain(PROMPT, 40)[:verified]
         # A link that dies mid-response: the server goes away between two cycles.
         client = RemoteClient(server.address, pair["target"], pair["moa1"])
-        calls = 0
-        real_call = protocol.recv_frame
-
-        def dying_recv(sock: socket.socket, limit: int = protocol.MAX_FRAME_BYTES) -> bytes:
-            nonlocal calls
-            calls += 1
-            if calls == 4:
-                raise ConnectionResetError("link lost")
-            return real_call(sock, limit)
-
-        protocol.recv_frame = dying_recv  # type: ignore[assignment]
-        try:
+        with link_dies_at_reply(4, monkeypatch):
             result = client.generate(PROMPT, 40)
-        finally:
-            protocol.recv_frame = real_call  # type: ignore[assignment]
         assert result.disconnected_at is not None and len(result.token_ids) == 40
         assert result.server_calls == 4
     finally:
@@ -520,7 +527,7 @@ def test_forcing_a_drafters_own_choices_changes_nothing(pair, kind):
     assert proposer.propose(9, 8, greedy, None).tokens == free
 
 
-def test_a_client_that_gets_its_server_back_resumes_verification(pair, plain):
+def test_a_client_that_gets_its_server_back_resumes_verification(pair, plain, monkeypatch):
     """The link dies mid-response; the client writes alone in chunks and reconnects; the
     server verifies what it wrote (one draft) and decoding goes on: the output is plain
     decoding's, token for token."""
@@ -528,21 +535,8 @@ def test_a_client_that_gets_its_server_back_resumes_verification(pair, plain):
     try:
         client = RemoteClient(server.address, pair["target"], pair["moa1"])
         _oracle(client, pair["target"])
-        calls = 0
-        real_call = protocol.recv_frame
-
-        def dying_recv(sock: socket.socket, limit: int = protocol.MAX_FRAME_BYTES) -> bytes:
-            nonlocal calls
-            calls += 1
-            if calls == 4:
-                raise ConnectionResetError("link lost")
-            return real_call(sock, limit)
-
-        protocol.recv_frame = dying_recv  # type: ignore[assignment]
-        try:
+        with link_dies_at_reply(4, monkeypatch):
             result = client.generate(PROMPT, 40, reconnect_every=5)
-        finally:
-            protocol.recv_frame = real_call  # type: ignore[assignment]
         assert result.disconnected_at is not None and result.reconnections == 1
         assert result.token_ids == plain(PROMPT, 40)
     finally:

@@ -77,6 +77,24 @@ def _add_runtime_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_generation_flags(p: argparse.ArgumentParser) -> None:
+    """What `generate` and `remote-generate` share: prompt, length, sampling, K, trees, output."""
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="file whose whole content is the prompt")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-new-tokens", type=positive_int, required=True)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="K")
+    p.add_argument("--tree-depth", type=positive_int, default=None, help="EAGLE-2 tree (6)")
+    p.add_argument("--tree-breadth", type=positive_int, default=None, help="top-B per depth (8)")
+    p.add_argument("--tree-tokens", type=positive_int, default=None, help="tree nodes (62)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vllm-moa", description="Mixture of Attentions speculative decoding"
@@ -94,15 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate from a prompt (speculative with --drafter)")
     p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
     p.add_argument("--drafter", default=None, help="MoA drafter directory; omit to decode plainly")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file whose whole content is the prompt")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-new-tokens", type=positive_int, required=True)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
-    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="K")
+    _add_generation_flags(p)
     p.add_argument(
         "--adaptive",
         action=argparse.BooleanOptionalAction,
@@ -110,11 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="choose each cycle's draft length (0..K) from acceptance and measured costs "
         "(default); --no-adaptive: always K",
     )
-    p.add_argument("--tree-depth", type=positive_int, default=None, help="EAGLE-2 tree (6)")
-    p.add_argument("--tree-breadth", type=positive_int, default=None, help="top-B per depth (8)")
-    p.add_argument("--tree-tokens", type=positive_int, default=None, help="nodes verified (62)")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_runtime_flags(p)
     p.set_defaults(func=commands.generate)
 
@@ -134,19 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--server", required=True, help="HOST:PORT of a vllm-moa remote-server")
     p.add_argument("--target", required=True, help="target directory (tokenizer, embeddings, head)")
     p.add_argument("--drafter", required=True, help="the same drafter the server was given")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="file whose whole content is the prompt")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
-    p.add_argument("--max-new-tokens", type=positive_int, required=True)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=non_negative_int, default=0, help="0 = off")
-    p.add_argument("--num-speculative-tokens", type=positive_int, default=4, help="chain K")
-    p.add_argument("--tree-depth", type=positive_int, default=None, help="EAGLE-2 tree (6)")
-    p.add_argument("--tree-breadth", type=positive_int, default=None, help="top-B per depth (8)")
-    p.add_argument("--tree-tokens", type=positive_int, default=None, help="nodes sent (62)")
-    p.add_argument("--seed", type=int, default=None)
+    _add_generation_flags(p)
     p.add_argument(
         "--disconnect-after",
         type=positive_int,
@@ -166,7 +159,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="text appended to the prompt on this device only: the server never sees it, and "
         "the device writes the response (the paper's appendix A.6)",
     )
-    p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_runtime_flags(p)
     p.set_defaults(func=commands.remote_generate)
 
