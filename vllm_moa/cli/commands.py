@@ -14,6 +14,7 @@ import torch
 if TYPE_CHECKING:
     from vllm_moa.demo import DemoRecipe
 
+NGRAM = "ngram"  # `--drafter ngram`: prompt-lookup drafting, no model
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -107,8 +108,12 @@ def run_generation(
 
     sampling = sampling or SamplingParams()
     target = HFTarget.from_pretrained(target_dir, dtype=dtype, device=device)
-    proposer = None
-    if drafter_dir is not None:
+    proposer: Any = None
+    if drafter_dir == NGRAM:
+        from vllm_moa.decoding.ngram_proposer import NgramProposer
+
+        proposer = NgramProposer(target.shape.vocab_size)
+    elif drafter_dir is not None:
         drafter = load_drafter(drafter_dir, target=target.shape, dtype=dtype, device=device)
         proposer = make_proposer(drafter, target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

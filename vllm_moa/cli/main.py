@@ -111,7 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate from a prompt (speculative with --drafter)")
     p.add_argument("--target", required=True, help="target model directory (Hugging Face)")
-    p.add_argument("--drafter", default=None, help="MoA drafter directory; omit to decode plainly")
+    p.add_argument(
+        "--drafter",
+        default=None,
+        help="drafter directory (MoA, EAGLE, independent), or `ngram` for prompt lookup; omit "
+        "to decode plainly",
+    )
     _add_generation_flags(p)
     p.add_argument(
         "--adaptive",

@@ -4,6 +4,7 @@ from vllm_moa.decoding.baseline_proposers import EagleProposer, IndependentPropo
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
 from vllm_moa.decoding.factory import make_proposer
 from vllm_moa.decoding.moa_proposer import MoAProposer
+from vllm_moa.decoding.ngram_proposer import NgramProposer
 from vllm_moa.decoding.proposer import DraftProposal, Proposer
 from vllm_moa.decoding.sampling import SamplingParams, Verdict, verify_greedy, verify_rejection
 from vllm_moa.decoding.stats import GenerationStats
@@ -15,6 +16,7 @@ __all__ = [
     "GenerationStats",
     "IndependentProposer",
     "MoAProposer",
+    "NgramProposer",
     "Proposer",
     "SamplingParams",
     "SpeculativeEngine",

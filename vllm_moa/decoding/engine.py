@@ -183,6 +183,7 @@ class SpeculativeEngine:
                 k = 0
             elif adaptive and k >= 1:
                 k = lengths.choose([tracker], [k])[0]
+            drafted_before = stats.num_draft_tokens
             if k >= 1 and behind is not None:
                 began = time.perf_counter()
                 behind.flush()
@@ -196,8 +197,8 @@ class SpeculativeEngine:
                     probes.spent(caught_up + costs.step_time(0, k) - costs.base)
             else:  # plain decoding, a cycle of 0 drafts, or the last token (no room to draft)
                 new = [self._plain_step(last, params, gen, stats, costs, behind)]
-            if adaptive:
-                tracker.observe(k, len(new) - 1)
+            if adaptive:  # what was drafted: a proposer may draft fewer than asked (n-gram)
+                tracker.observe(stats.num_draft_tokens - drafted_before, len(new) - 1)
             for token in new:
                 generated.append(token)
                 finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
@@ -258,14 +259,14 @@ class SpeculativeEngine:
             assert proposal.probs is not None
             target_probs = probabilities(out.logits, params)
             verdict = self.rejection_verifier(proposal.tokens, proposal.probs, target_probs, gen)
-        a = verdict.num_accepted
+        a, n = verdict.num_accepted, len(proposal.tokens)  # n <= k: some proposers draft fewer
         verified = time.perf_counter()  # the verdict read the target's output: it is complete
         self.target.crop(position + a + 1)
         self.proposer.accept(proposal.tokens[:a], _rows(out, list(range(a + 1))))
         if costs is not None:
-            costs.observe_verify(k + 1, verified - drafted)
-            costs.observe_draft(k, drafted - started + time.perf_counter() - verified)
-        stats.record_cycle(k, a)
+            costs.observe_verify(n + 1, verified - drafted)
+            costs.observe_draft(n, drafted - started + time.perf_counter() - verified)
+        stats.record_cycle(n, a)
         return [*proposal.tokens[:a], verdict.next_token]
 
     def _speculate_tree(
