@@ -14,23 +14,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import vllm_moa
-from vllm_moa.model.baselines import (
-    EagleConfig,
-    EagleDrafter,
-    IndependentConfig,
-    IndependentDrafter,
-)
-from vllm_moa.model.config import DrafterConfig, MoAConfig, TargetShape, read_config_json
-from vllm_moa.model.moa import MoADrafter
+from vllm_moa.drafters import BY_MODEL_TYPE
+from vllm_moa.model.config import DrafterConfig, TargetShape, read_config_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-# config.json model_type -> (config class, module class)
-DRAFTER_KINDS: dict[str, tuple[type[DrafterConfig], type[nn.Module]]] = {
-    MoAConfig.MODEL_TYPE: (MoAConfig, MoADrafter),
-    EagleConfig.MODEL_TYPE: (EagleConfig, EagleDrafter),
-    IndependentConfig.MODEL_TYPE: (IndependentConfig, IndependentDrafter),
-}
 
 
 def save_drafter(
@@ -68,13 +56,14 @@ def load_config(path: str | Path) -> DrafterConfig:
     if not path.is_dir():
         raise ValueError(f"drafter path {path} is not a directory")
     data = read_config_json(path / CONFIG_NAME)
-    kind = DRAFTER_KINDS.get(str(data.get("model_type")))
+    kind = BY_MODEL_TYPE.get(str(data.get("model_type")))
     if kind is None:
         raise ValueError(
             f"{path / CONFIG_NAME} has model_type {data.get('model_type')!r}; expected one of "
-            f"{sorted(DRAFTER_KINDS)} (for the authors' MoA release: `vllm-moa convert-official`)"
+            f"{sorted(BY_MODEL_TYPE)} (for the authors' MoA release: `vllm-moa convert-official`)"
         )
-    return kind[0].from_dict(data)
+    config: DrafterConfig = kind.config_class().from_dict(data)
+    return config
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -120,7 +109,7 @@ def load_drafter(
     config = load_config(path)
     if target is not None:
         config.check_target(target)
-    drafter = DRAFTER_KINDS[config.MODEL_TYPE][1](config)
+    drafter: nn.Module = BY_MODEL_TYPE[config.MODEL_TYPE].module_class()(config)
     load_checked(drafter, load_state_dict(path / WEIGHTS_NAME), str(path / WEIGHTS_NAME))
     if dtype is not None:
         drafter = drafter.to(dtype)

@@ -16,11 +16,11 @@ import torch
 
 from vllm_moa.checkpoint.io import (
     CONFIG_NAME,
-    DRAFTER_KINDS,
     WEIGHTS_NAME,
     check_tensors,
     load_config,
 )
+from vllm_moa.drafters import BY_MODEL_TYPE
 from vllm_moa.model.config import DrafterConfig, TargetShape
 
 TRAIN_CONFIG_NAME = "train_config.json"  # written by `vllm-moa train` beside its drafter/
@@ -44,10 +44,10 @@ def check_drafter_dir(path: str | Path, target: TargetShape | None = None) -> Dr
         model_type = json.loads(config_file.read_text()).get("model_type")
     except (OSError, ValueError, AttributeError) as e:
         raise DrafterCheckError(f"{config_file} is not a readable JSON object ({e})") from None
-    if model_type not in DRAFTER_KINDS:
+    if model_type not in BY_MODEL_TYPE:
         raise DrafterCheckError(
             f"{path} is not a vllm-moa drafter: its {CONFIG_NAME} has model_type "
-            f"{model_type!r} (a model, not a drafter?), expected one of {sorted(DRAFTER_KINDS)}. "
+            f"{model_type!r} (a model, not a drafter?), expected one of {sorted(BY_MODEL_TYPE)}. "
             "Pass the drafter's directory; for the authors' MoA release run "
             "`vllm-moa convert-official` first"
         )
@@ -67,7 +67,7 @@ def check_drafter_dir(path: str | Path, target: TargetShape | None = None) -> Dr
 def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor the drafter of `config` stores (built on the meta device)."""
     with torch.device("meta"):
-        module = DRAFTER_KINDS[config.MODEL_TYPE][1](config)
+        module = BY_MODEL_TYPE[config.MODEL_TYPE].module_class()(config)
     return {name: tuple(t.shape) for name, t in module.state_dict().items()}
 
 

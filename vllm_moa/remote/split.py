@@ -26,24 +26,15 @@ from vllm_moa.checkpoint.io import WEIGHTS_NAME, drafter_dir_of
 from vllm_moa.decoding.factory import make_proposer
 from vllm_moa.decoding.moa_proposer import MoAProposer
 from vllm_moa.decoding.proposer import Proposer
+from vllm_moa.drafters import kind_of
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput, split_kv
-from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+from vllm_moa.model.baselines import EagleDrafter
 from vllm_moa.model.moa import MoADrafter
 
 
 def drafter_kind(drafter: nn.Module) -> str:
-    if isinstance(drafter, MoADrafter):
-        return "moa"
-    if isinstance(drafter, EagleDrafter):
-        return "eagle"
-    if isinstance(drafter, IndependentDrafter):
-        return "independent"
-    raise TypeError(f"no client-server split for a {type(drafter).__name__}")
-
-
-def tail_layers(drafter: nn.Module) -> int:
-    """How many of the target's last layers the client runs (MoA's TLI; 0 otherwise)."""
-    return drafter.config.tli if isinstance(drafter, MoADrafter) else 0
+    """The registry's name for the drafter's kind (moa, eagle, independent)."""
+    return kind_of(drafter).name
 
 
 def fingerprint(drafter_dir: str | Path) -> bytes:

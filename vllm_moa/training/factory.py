@@ -7,13 +7,14 @@ from pathlib import Path
 from torch import nn
 
 from vllm_moa.checkpoint import load_drafter, save_drafter
+from vllm_moa.drafters import kind_of
 from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.hf_target.info import load_target_info
 from vllm_moa.model import MoADrafter, make_config
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.presets import make_eagle_config, make_independent_config
 from vllm_moa.training.config import TrainConfig
-from vllm_moa.training.methods import DraftMethod, EagleMethod, IndependentMethod, MoAMethod
+from vllm_moa.training.methods import DraftMethod
 
 
 def new_drafter(cfg: TrainConfig) -> nn.Module:
@@ -37,13 +38,9 @@ def new_drafter(cfg: TrainConfig) -> nn.Module:
 def method_for(drafter: nn.Module, target: HFTarget, feature_noise: float = 0.0) -> DraftMethod:
     """The training forward of a drafter (EAGLE's feature noise applies only when a generator is
     passed to forward(), i.e. in training steps)."""
-    if isinstance(drafter, MoADrafter):
-        return MoAMethod(drafter, target)
-    if isinstance(drafter, EagleDrafter):
-        return EagleMethod(drafter, target, feature_noise)
-    if isinstance(drafter, IndependentDrafter):
-        return IndependentMethod(drafter, target)
-    raise TypeError(f"cannot train a {type(drafter).__name__}")
+    method_class = kind_of(drafter).method_class()
+    method: DraftMethod = method_class(drafter, target, feature_noise=feature_noise)
+    return method
 
 
 def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:

@@ -50,25 +50,31 @@ D = TypeVar("D", MoADrafter, EagleDrafter, IndependentDrafter)
 
 class _Method(Generic[D]):
     """What every method holds: the trainable drafter (checked against the target), what
-    forward() calls (the drafter until DDP wraps it) and the frozen target."""
+    forward() calls (the drafter until DDP wraps it), the frozen target, and the noise added to
+    the target features the drafter reads in training steps (EAGLE's recipe; only EAGLE uses it)."""
 
-    def __init__(self, drafter: D, target: HFTarget) -> None:
+    def __init__(self, drafter: D, target: HFTarget, feature_noise: float = 0.0) -> None:
         drafter.config.check_target(target.shape)
         self.drafter: D = drafter
         self.model: nn.Module = drafter
         self.module: nn.Module = drafter
         self.target = target
+        self.noise = feature_noise
 
 
 class MoAMethod(_Method[MoADrafter]):
     k_bounded = True
 
     def __init__(
-        self, drafter: MoADrafter, target: HFTarget, memory_layer: int | None = None
+        self,
+        drafter: MoADrafter,
+        target: HFTarget,
+        memory_layer: int | None = None,
+        feature_noise: float = 0.0,
     ) -> None:
         """`memory_layer`: which hidden state (HF indexing) a memory_source "hidden" drafter reads;
         default the final one (the -LSA ablation; the engine and vLLM serve only that)."""
-        super().__init__(drafter, target)
+        super().__init__(drafter, target, feature_noise)
         self.tli = drafter.config.tli
         num_layers = target.shape.num_layers
         self.memory_layer = num_layers if memory_layer is None else memory_layer
@@ -121,9 +127,8 @@ class EagleMethod(_Method[EagleDrafter]):
 
     k_bounded = False
 
-    def __init__(self, drafter: EagleDrafter, target: HFTarget, feature_noise: float) -> None:
-        super().__init__(drafter, target)
-        self.noise = feature_noise
+    def __init__(self, drafter: EagleDrafter, target: HFTarget, feature_noise: float = 0.0) -> None:
+        super().__init__(drafter, target, feature_noise)
         self.hidden_layers: tuple[int, ...] = (target.shape.num_layers,)
 
     def forward(
@@ -189,9 +194,6 @@ class IndependentMethod(_Method[IndependentDrafter]):
 
     hidden_layers: tuple[int, ...] = ()
     k_bounded = False
-
-    def __init__(self, drafter: IndependentDrafter, target: HFTarget) -> None:
-        super().__init__(drafter, target)
 
     def forward(
         self,

@@ -117,14 +117,14 @@ def moa_drafter_model_type(path: object) -> str | None:
     config = drafter_dir_of(path) / "config.json"
     if not config.is_file():
         return None
-    from vllm_moa.checkpoint.io import DRAFTER_KINDS
+    from vllm_moa.drafters import BY_MODEL_TYPE
     from vllm_moa.model.config import read_config_json
 
     try:
         model_type = read_config_json(config).get("model_type")
     except (OSError, ValueError):
         return None
-    return model_type if model_type in DRAFTER_KINDS else None
+    return model_type if model_type in BY_MODEL_TYPE else None
 
 
 def resolve_moa_drafter(model: object, target_hf_config: Any = None) -> str:

@@ -1,0 +1,42 @@
+"""The drafter registry: one entry per kind, consistent with what reads it."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import make_hf_model
+from vllm_moa.decoding import make_proposer
+from vllm_moa.drafters import BY_MODEL_TYPE, BY_NAME, KINDS, kind_of
+from vllm_moa.hf_target import HFTarget
+from vllm_moa.model import TargetInfo
+from vllm_moa.model.presets import make_config, make_eagle_config, make_independent_config
+from vllm_moa.training.config import METHODS
+from vllm_moa.training.factory import method_for
+
+
+def test_every_kind_is_trainable_and_named_once():
+    assert set(METHODS) == set(BY_NAME)  # train --method choices are the registry's kinds
+    assert len(BY_MODEL_TYPE) == len(BY_NAME) == len(KINDS)
+    for kind in KINDS:
+        assert kind.model_type == kind.config_class().MODEL_TYPE
+
+
+@pytest.mark.parametrize("name", ["moa", "eagle", "independent"])
+def test_each_kind_builds_its_proposer_and_training_method(name):
+    target = HFTarget(make_hf_model())
+    info = TargetInfo(target.shape, target.config.num_attention_heads)
+    makers = {
+        "moa": make_config,
+        "eagle": make_eagle_config,
+        "independent": make_independent_config,
+    }
+    kind = BY_NAME[name]
+    drafter = kind.module_class()(makers[name](info, "small"))
+    assert kind_of(drafter) is kind
+    assert isinstance(make_proposer(drafter, target), kind.proposer_class())
+    assert isinstance(method_for(drafter, target), kind.method_class())
+
+
+def test_an_unregistered_module_is_refused_by_name():
+    with pytest.raises(TypeError, match="Linear is not a registered drafter kind"):
+        kind_of(__import__("torch").nn.Linear(2, 2))

@@ -1,0 +1,82 @@
+"""The drafter kinds, registered once.
+
+Each kind names its config and module classes (checkpoints), its standalone proposer
+(decoding, trees included) and its training method. Checkpoint loading and validation, the
+proposer and training factories, the client-server split, `train --method` and the vLLM plugin
+all read this table. Classes are named by import path and loaded on first use, so this module
+imports no other part of the package and any of them can read it without an import cycle (as
+vLLM's model registry does).
+
+Adding a kind: its classes, then one `DrafterKind` below.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str  # `train --method`, the client-server split, stats
+    model_type: str  # config.json's model_type
+    config: str  # "module:Class" of each part
+    module: str
+    proposer: str  # Proposer(drafter, target)
+    method: str  # training: Method(drafter, target, feature_noise=...)
+
+    @staticmethod
+    def _load(path: str) -> Any:
+        module, _, name = path.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+    def config_class(self) -> Any:
+        return self._load(self.config)
+
+    def module_class(self) -> Any:
+        return self._load(self.module)
+
+    def proposer_class(self) -> Any:
+        return self._load(self.proposer)
+
+    def method_class(self) -> Any:
+        return self._load(self.method)
+
+
+KINDS: tuple[DrafterKind, ...] = (
+    DrafterKind(
+        name="moa",
+        model_type="moa_drafter",
+        config="vllm_moa.model.config:MoAConfig",
+        module="vllm_moa.model.moa:MoADrafter",
+        proposer="vllm_moa.decoding.moa_proposer:MoAProposer",
+        method="vllm_moa.training.methods:MoAMethod",
+    ),
+    DrafterKind(
+        name="eagle",
+        model_type="eagle_drafter",
+        config="vllm_moa.model.baselines:EagleConfig",
+        module="vllm_moa.model.baselines:EagleDrafter",
+        proposer="vllm_moa.decoding.baseline_proposers:EagleProposer",
+        method="vllm_moa.training.methods:EagleMethod",
+    ),
+    DrafterKind(
+        name="independent",
+        model_type="independent_drafter",
+        config="vllm_moa.model.baselines:IndependentConfig",
+        module="vllm_moa.model.baselines:IndependentDrafter",
+        proposer="vllm_moa.decoding.baseline_proposers:IndependentProposer",
+        method="vllm_moa.training.methods:IndependentMethod",
+    ),
+)
+BY_MODEL_TYPE = {k.model_type: k for k in KINDS}
+BY_NAME = {k.name: k for k in KINDS}
+
+
+def kind_of(drafter: object) -> DrafterKind:
+    """The registered kind of a drafter module (TypeError for anything else)."""
+    for kind in KINDS:
+        if isinstance(drafter, kind.module_class()):
+            return kind
+    raise TypeError(f"{type(drafter).__name__} is not a registered drafter kind")
