@@ -139,12 +139,12 @@ def test_bad_speculative_configs_fail_clearly(moa_pair, spec, message):
 
 
 def test_baseline_drafter_is_refused_with_a_hint(moa_pair, tmp_path):
-    from vllm_moa.checkpoint.io import DRAFTER_KINDS
+    from vllm_moa.drafters import BY_NAME
 
     drafter = tmp_path / "eagle"
     shutil.copytree(moa_pair["tli0"], drafter)
     config = json.loads((drafter / "config.json").read_text())
-    config["model_type"] = next(k for k in DRAFTER_KINDS if "eagle" in k)
+    config["model_type"] = BY_NAME["eagle"].model_type
     (drafter / "config.json").write_text(json.dumps(config))
     with pytest.raises(Exception, match="expected 'moa_drafter'"):
         spec = {"method": "moa", "model": str(drafter), "num_speculative_tokens": 2}
