@@ -565,3 +565,54 @@ def test_a_private_suffix_never_reaches_the_server(pair):
         assert len(seen) == 3 and all(p == PROMPT for p in seen)
     finally:
         server.stop()
+
+
+def test_one_sessions_failure_leaves_the_others_replies(pair, monkeypatch):
+    """A verification that raises (here: sampling, patched to fail) costs only its own session:
+    the greedy session verified in the same pass gets its reply."""
+    from vllm_moa.checkpoint import load_drafter
+    from vllm_moa.remote import verifier as verifier_module
+
+    target = HFTarget.from_pretrained(pair["target"])
+    drafter = load_drafter(pair["moa0"], target=target.shape)
+    v = Verifier(target, ServerHalf(drafter, 3), b"\0" * 8, eos_token_ids=[])
+    greedy = v.open(protocol.Start(PROMPT, 8, b"\0" * 8))
+    sampled = v.open(protocol.Start(PROMPT[2:], 8, b"\0" * 8, temperature=0.8, seed=1))
+    for s, p in ((greedy, PROMPT), (sampled, PROMPT[2:])):
+        v.prefill(s, p)
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("sampling failed")
+
+    monkeypatch.setattr(verifier_module, "verify_tree_sampling", broken)
+    ok, failed = v.verify([(s, protocol.Draft(0, [1, 2], [-1, 0])) for s in (greedy, sampled)])
+    assert isinstance(ok, protocol.Verified) and ok.rows and greedy.cycle == 1
+    assert isinstance(failed, RuntimeError)
+    with pytest.raises(ProtocolError, match="temperature 1e-09 is below"):
+        v.open(protocol.Start(PROMPT, 8, b"\0" * 8, temperature=1e-9))
+
+
+def test_a_client_alone_stops_at_the_context_while_the_server_stays_away(pair, monkeypatch):
+    from vllm_moa.remote import client as client_module
+
+    server = RunningServer(pair["target"], pair["moa0"])
+    try:
+        client = RemoteClient(server.address, pair["target"], pair["moa0"])
+        real_link = client_module._Link
+        links = 0
+
+        def once(*args: object, **kwargs: object) -> object:
+            nonlocal links
+            links += 1
+            if links > 1:
+                raise ConnectionRefusedError("server down")
+            return real_link(*args, **kwargs)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(client_module, "_Link", once)
+        with link_dies_at_reply(3, monkeypatch):
+            result = client.generate(PROMPT, 400, reconnect_every=50)
+        assert result.finish_reason == "context" and result.reconnections == 0
+        assert len(PROMPT) + len(result.token_ids) == 255  # the device writes up to max - 1
+        assert links > 2  # it kept trying between chunks
+    finally:
+        server.stop()

@@ -101,10 +101,10 @@ class _Link:
             self.up += len(data)
             self.calls += 1
             reply = protocol.recv_frame(self.sock)
+            self.down += len(reply) + 4
+            answer = protocol.decode(reply)
         except (OSError, protocol.ProtocolError) as e:  # timeouts are OSErrors
             raise ConnectionError(str(e)) from e
-        self.down += len(reply) + 4
-        answer = protocol.decode(reply)
         if isinstance(answer, protocol.Error):
             raise RemoteError(answer.code, answer.message)
         return answer
@@ -166,7 +166,7 @@ class _Run:
             return "eos"
         if len(text) >= self.max_new_tokens:
             return "length"
-        if len(self.prompt) + len(text) >= self.context:
+        if len(self.prompt) + len(text) >= self.context - 1:  # as far as the device writes
             return "context"
         return None
 
@@ -271,15 +271,23 @@ class RemoteClient:
                 return run.result(run.finish_alone(alone))
             local: list[int] = []
             while True:  # alone, trying to get the server back between chunks
+                before = len(local)
                 local = self._write_alone(run, local, reconnect_every, params, gen)
                 reason = run.finished_alone(local)
+                if reason is None and len(local) == before:  # no room left to write
+                    reason = "context"
                 if reason is not None:
                     run.generated += local
                     return run.result(reason)
                 try:
                     link = _Link(self.address, self.timeout_s)
+                except OSError:  # still unreachable
+                    continue
+                try:
                     lost_again = self._resume(link, run, local, params, seed)
-                except OSError:  # still unreachable (ConnectionError is an OSError)
+                except ConnectionError:  # lost again before anything changed
+                    link.close(polite=False)
+                    run.absorb_link(link)
                     continue
                 if lost_again is not None:
                     run.absorb_link(link)
@@ -291,6 +299,8 @@ class RemoteClient:
     def _open(self, link: _Link, run: _Run, params: SamplingParams, seed: int | None) -> None:
         """START a session over the prompt and everything verified so far."""
         context = run.prompt + run.generated
+        if seed is not None and run.generated:  # a resumed session: fresh random numbers
+            seed = (seed + 1_000_003 * len(run.generated)) % (1 << 62)
         start = protocol.Start(
             context,
             run.max_new_tokens - len(run.generated),
@@ -302,7 +312,8 @@ class RemoteClient:
         )
         reply = link.call(start)
         if not isinstance(reply, protocol.Started):
-            raise RemoteError(400, f"expected STARTED, got {type(reply).__name__}")
+            raise ConnectionError(f"expected STARTED, got {type(reply).__name__}")
+        self._check_rows(reply.rows, len(context))  # before the state it would replace goes
         self.target.reset()
         self._absorb(reply.rows, len(context), start=context)
         run.generated.append(reply.first_token)
@@ -361,7 +372,9 @@ class RemoteClient:
     def _verify(self, link: _Link, run: _Run, draft: DraftTree) -> None:
         answer = link.call(protocol.Draft(run.cycle, draft.tokens, draft.parents))
         if not isinstance(answer, protocol.Verified) or answer.cycle != run.cycle:
-            raise RemoteError(400, f"unexpected reply {type(answer).__name__}")
+            raise ConnectionError(f"unexpected reply {type(answer).__name__}")
+        if answer.finish is Finish.NONE:  # checked before anything of the cycle is taken
+            self._check_rows(answer.rows, len(answer.accepted) + 1)
         run.generated.extend([*answer.accepted, answer.next_token])
         run.cycle += 1
         run.cycles += 1
@@ -380,7 +393,9 @@ class RemoteClient:
         n = min(len(local) + more, run.room(), self.target.max_length - run.length() - 1)
         if n <= len(local):
             return local
-        return self.proposer.propose(run.generated[-1], n, params, gen, forced=local).tokens
+        tokens = self.proposer.propose(run.generated[-1], n, params, gen, forced=local).tokens
+        self.proposer.withdraw()  # never verified: the next chunk starts from the same state
+        return tokens
 
     def _private(
         self, run: _Run, private: list[int], params: SamplingParams, gen: torch.Generator
@@ -393,6 +408,7 @@ class RemoteClient:
             raise ValueError("no room left in the target's context after the private suffix")
         forced = private[1:]
         proposal = self.proposer.propose(private[0], len(forced) + room, params, gen, forced=forced)
+        self.proposer.withdraw()
         local = proposal.tokens[len(forced) :]
         run.disconnected_at = 0
         run.prompt = run.prompt + private
@@ -418,6 +434,13 @@ class RemoteClient:
         n = len(proposal.tokens)
         return DraftTree(proposal.tokens, list(range(-1, n - 1)), [0.0] * n)
 
+    def _check_rows(self, rows: list[QTensor], n: int) -> None:
+        want = expected_rows(self.kind, self.tli)
+        if len(rows) != want or any(r.rows != n for r in rows):
+            raise ConnectionError(
+                f"the server sent {len(rows)} activation tensors, expected {want} of {n} rows"
+            )
+
     def _absorb(
         self,
         rows: list[QTensor],
@@ -426,11 +449,7 @@ class RemoteClient:
         accepted: list[int] | None = None,
     ) -> None:
         """The server's rows for n verified tokens into the target parts and the proposer."""
-        want = expected_rows(self.kind, self.tli)
-        if len(rows) != want or any(r.rows != n for r in rows):
-            raise RemoteError(
-                400, f"expected {want} activation tensors of {n} rows from the server"
-            )
+        self._check_rows(rows, n)
         tensors = [r.dequantize(self.target.dtype) for r in rows]
         tail = tensors[1] if self.tli else None
         self.target.append_verified(n, tail)

@@ -13,6 +13,7 @@ an idle timeout after which a silent client is dropped, and the frame size cap.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -92,7 +93,11 @@ class RemoteServer:
                         job.done.set_exception(e)
                 continue
             for job, result in zip(jobs, results, strict=True):
-                if not job.done.done():
+                if job.done.done():
+                    continue
+                if isinstance(result, Exception):
+                    job.done.set_exception(result)
+                else:
                     job.done.set_result(result)
 
     def _run(self, jobs: list[_Job]) -> list[Any]:
@@ -101,7 +106,11 @@ class RemoteServer:
         drafts = []
         for i, job in enumerate(jobs):
             if isinstance(job.message, protocol.Start):
-                results[i] = self.verifier.prefill(job.session, job.message.prompt)
+                try:  # a prompt that fails fails alone
+                    results[i] = self.verifier.prefill(job.session, job.message.prompt)
+                except Exception as e:
+                    logger.exception("prefill failed")
+                    results[i] = e
             else:
                 drafts.append(i)
         if drafts:
@@ -130,8 +139,11 @@ class RemoteServer:
                         protocol.read_frame(reader, self.limits.max_frame_bytes),
                         self.limits.idle_timeout_s,
                     )
-                except TimeoutError:
-                    await self._send(writer, protocol.Error(408, "idle timeout: session closed"))
+                except (TimeoutError, asyncio.TimeoutError):  # distinct types before 3.11
+                    with contextlib.suppress(ConnectionError):
+                        await self._send(
+                            writer, protocol.Error(408, "idle timeout: session closed")
+                        )
                     return
                 message = protocol.decode(data, self.limits.max_frame_bytes)
                 if isinstance(message, protocol.Start):
@@ -159,21 +171,27 @@ class RemoteServer:
                 await self._send(writer, reply)
         except ProtocolError as e:
             logger.info("protocol error from %s: %s", peer, e)
-            await self._send(writer, protocol.Error(e.code, str(e)))
+            with contextlib.suppress(ConnectionError):
+                await self._send(writer, protocol.Error(e.code, str(e)))
         except (asyncio.IncompleteReadError, ConnectionError):
             pass  # the client went away: its session goes with it
         except Exception as e:  # a failed target pass (logged by the worker): tell this client
-            await self._send(writer, protocol.Error(500, f"server error: {e}"))
+            with contextlib.suppress(ConnectionError):
+                await self._send(writer, protocol.Error(500, f"server error: {e}"))
         finally:
             if session is not None:
                 self.sessions -= 1
             writer.close()
             self._connections.discard(task)
 
-    @staticmethod
-    async def _send(writer: asyncio.StreamWriter, message: protocol.Message) -> None:
+    async def _send(self, writer: asyncio.StreamWriter, message: protocol.Message) -> None:
+        """Write a message; a client that does not read it within the idle timeout is cut off
+        (it would otherwise hold its session forever)."""
         try:
             writer.write(protocol.frame(message))
-            await writer.drain()
+            await asyncio.wait_for(writer.drain(), self.limits.idle_timeout_s)
+        except (TimeoutError, asyncio.TimeoutError):
+            writer.transport.abort()
+            raise ConnectionError("client stopped reading") from None
         except ConnectionError:
             pass

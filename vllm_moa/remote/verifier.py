@@ -25,6 +25,8 @@ from vllm_moa.remote import protocol
 from vllm_moa.remote.protocol import Finish, ProtocolError, QTensor
 from vllm_moa.remote.split import ServerHalf
 
+MIN_TEMPERATURE = 1e-3
+
 
 @dataclass
 class Session:
@@ -91,6 +93,11 @@ class Verifier:
             params = SamplingParams(start.temperature, start.top_p, start.top_k)
         except ValueError as e:
             raise ProtocolError(f"START: {e}") from None
+        if 0 < start.temperature < MIN_TEMPERATURE:  # logits / T would overflow
+            raise ProtocolError(
+                f"START: temperature {start.temperature:g} is below {MIN_TEMPERATURE}; "
+                "use 0 for greedy decoding"
+            )
         del vocab
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(start.seed) if start.seed is not None else gen.seed()
@@ -136,8 +143,11 @@ class Verifier:
         return protocol.Started(token, session.finish, rows)
 
     @torch.no_grad()
-    def verify(self, batch: list[tuple[Session, protocol.Draft]]) -> list[protocol.Verified]:
-        """One target pass for every (session, draft) of the batch."""
+    def verify(
+        self, batch: list[tuple[Session, protocol.Draft]]
+    ) -> list[protocol.Verified | Exception]:
+        """One target pass for every (session, draft) of the batch; a session whose
+        verification failed gets its exception in place of its reply."""
         trees, inputs = [], []
         for session, draft in batch:
             tree = DraftTree(draft.tokens, draft.parents, [0.0] * len(draft.tokens))
@@ -155,13 +165,18 @@ class Verifier:
             outs = self.target.forward_trees(inputs, hidden)
         self.passes += 1
         self.sessions_verified += len(batch)
-        kept, kept_positions, replies = [], [], []
+        kept, kept_positions = [], []
+        replies: list[protocol.Verified | Exception] = []
         for (session, draft), tree, out in zip(batch, trees, outs, strict=True):
-            if session.params.greedy:
-                verdict = verify_tree_greedy(tree, out.logits)
-            else:
-                probs = probabilities(out.logits, session.params)
-                verdict = verify_tree_sampling(tree, probs, session.generator)
+            try:  # one session's failure is its own: the others' replies stand
+                if session.params.greedy:
+                    verdict = verify_tree_greedy(tree, out.logits)
+                else:
+                    probs = probabilities(out.logits, session.params)
+                    verdict = verify_tree_sampling(tree, probs, session.generator)
+            except Exception as e:  # its connection gets an ERROR and is closed
+                replies.append(e)
+                continue
             rows = [0] + [i + 1 for i in verdict.path]
             p = session.position
             session.cache.keep(p, [p + r for r in rows])
@@ -174,7 +189,8 @@ class Verifier:
             )
             session.cycle += 1
             session.last_active = time.monotonic()
-        for reply, rows_ in zip(replies, self._payload(kept, kept_positions), strict=True):
+        served = [r for r in replies if isinstance(r, protocol.Verified)]
+        for reply, rows_ in zip(served, self._payload(kept, kept_positions), strict=True):
             if reply.finish is Finish.NONE:  # a finished response needs no more drafting
                 reply.rows = rows_
         return replies
