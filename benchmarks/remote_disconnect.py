@@ -16,42 +16,27 @@ API call cut at the same point: it writes nothing. Writes a JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-import threading
 from pathlib import Path
 from typing import Any
 
 import torch
 
 
-def _server(target_dir: str, drafter_dir: str) -> tuple[str, Any]:
+def _server(target_dir: str, drafter_dir: str) -> Any:
     """An in-process server (timing is not measured here)."""
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.hf_target import HFTarget
-    from vllm_moa.remote.server import RemoteServer
+    from vllm_moa.remote.server import BackgroundServer
     from vllm_moa.remote.split import ServerHalf, fingerprint
     from vllm_moa.remote.verifier import Verifier
 
     target = HFTarget.from_pretrained(target_dir)
     path = drafter_dir_of(drafter_dir)
     drafter = load_drafter(path, target=target.shape)
-    verifier = Verifier(target, ServerHalf(drafter, target.shape.num_layers), fingerprint(path), [])
-    server = RemoteServer(verifier)
-    loop = asyncio.new_event_loop()
-    box: dict[str, int] = {}
-    ready = threading.Event()
-
-    def run() -> None:
-        asyncio.set_event_loop(loop)
-        box["port"] = loop.run_until_complete(server.start("127.0.0.1", 0))
-        ready.set()
-        loop.run_forever()
-
-    threading.Thread(target=run, daemon=True).start()
-    ready.wait(60)
-    return f"127.0.0.1:{box['port']}", loop
+    half = ServerHalf(drafter, target.shape.num_layers)
+    return BackgroundServer(Verifier(target, half, fingerprint(path), []))
 
 
 @torch.no_grad()
@@ -81,8 +66,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     greedy = [plain.generate(ids, args.max_tokens).token_ids for ids in prompts]
     rows = []
     for drafter in args.drafter:
-        address, loop = _server(args.target, drafter)
-        client = RemoteClient(address, args.target, drafter)
+        server = _server(args.target, drafter)
+        client = RemoteClient(server.address, args.target, drafter)
         for after in args.after:
             loglik, agree, prefix, cut, written = [], [], [], [], []
             for ids, want in zip(prompts, greedy, strict=True):
@@ -111,7 +96,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             }
             rows.append(row)
             print(row, flush=True)
-        loop.call_soon_threadsafe(loop.stop)
+        server.stop()
     for after in args.after:  # the API call: nothing after the cut
         rows.append({"drafter": "stop", "kind": "stop", "tli": 0, "after": after,
                      "verified_tokens": after, "written_alone": 0, "loglik_per_token": None,

@@ -4,7 +4,6 @@ survives garbage."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import socket
@@ -30,7 +29,7 @@ from vllm_moa.model.presets import make_eagle_config, make_independent_config
 from vllm_moa.remote import protocol
 from vllm_moa.remote.client import RemoteClient, RemoteError
 from vllm_moa.remote.protocol import Finish, ProtocolError, QTensor
-from vllm_moa.remote.server import RemoteServer, ServerLimits
+from vllm_moa.remote.server import BackgroundServer, ServerLimits
 from vllm_moa.remote.split import DeviceMoAProposer, ServerHalf, fingerprint
 from vllm_moa.remote.verifier import Verifier
 
@@ -158,8 +157,8 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     return paths
 
 
-class RunningServer:
-    """A RemoteServer on a free port in a background thread (its own event loop)."""
+class RunningServer(BackgroundServer):
+    """The server for a target and drafter on disk, in a background thread."""
 
     def __init__(self, target_dir: Path, drafter_dir: Path, limits: ServerLimits | None = None):
         from vllm_moa.checkpoint import load_drafter
@@ -168,25 +167,7 @@ class RunningServer:
         drafter = load_drafter(drafter_dir, target=target.shape)
         half = ServerHalf(drafter, target.shape.num_layers)
         self.verifier = Verifier(target, half, fingerprint(drafter_dir), eos_token_ids=[])
-        self.server = RemoteServer(self.verifier, limits)
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
-
-        def run() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.port = self.loop.run_until_complete(self.server.start("127.0.0.1", 0))
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        ready.wait(30)
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(30)
+        super().__init__(self.verifier, limits)
 
 
 @pytest.fixture(scope="module")

@@ -40,16 +40,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def _rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
-    """The given rows of a target pass (the kept positions)."""
-    index = torch.tensor(rows, device=out.logits.device)
-    return TargetOutput(
-        logits=out.logits[index],
-        layer_kv=out.layer_kv[index],
-        hidden_states={k: v[index] for k, v in out.hidden_states.items()},
-    )
-
-
 @dataclass
 class Backlog:
     """Target rows the proposer has not seen yet: the prompt's, until the first drafting cycle
@@ -68,23 +58,13 @@ class Backlog:
     def flush(self) -> None:
         if self.started and not self.tokens:
             return
-        rows = self.rows[0] if len(self.rows) == 1 else _concat(self.rows)
+        rows = self.rows[0] if len(self.rows) == 1 else TargetOutput.concat(self.rows)
         if self.started:
             self.proposer.catch_up(self.tokens, rows)
         else:
             self.proposer.start(self.tokens, rows)
             self.started = True
         self.tokens, self.rows = [], []
-
-
-def _concat(outs: list[TargetOutput]) -> TargetOutput:
-    return TargetOutput(
-        logits=torch.cat([o.logits for o in outs]),
-        layer_kv=torch.cat([o.layer_kv for o in outs]),
-        hidden_states={
-            k: torch.cat([o.hidden_states[k] for o in outs]) for k in outs[0].hidden_states
-        },
-    )
 
 
 class SpeculativeEngine:
@@ -262,7 +242,7 @@ class SpeculativeEngine:
         a, n = verdict.num_accepted, len(proposal.tokens)  # n <= k: some proposers draft fewer
         verified = time.perf_counter()  # the verdict read the target's output: it is complete
         self.target.crop(position + a + 1)
-        self.proposer.accept(proposal.tokens[:a], _rows(out, list(range(a + 1))))
+        self.proposer.accept(proposal.tokens[:a], out.select(list(range(a + 1))))
         if costs is not None:
             costs.observe_verify(n + 1, verified - drafted)
             costs.observe_draft(n, drafted - started + time.perf_counter() - verified)
@@ -291,7 +271,7 @@ class SpeculativeEngine:
         rows = [0] + [i + 1 for i in verdict.path]
         self.target.cache.keep(position, [position + r for r in rows])
         accepted = [draft.tokens[i] for i in verdict.path]
-        self.proposer.accept(accepted, _rows(out, rows))
+        self.proposer.accept(accepted, out.select(rows))
         stats.record_cycle(depth, len(accepted))
         return [*accepted, verdict.next_token]
 

@@ -42,6 +42,26 @@ class TargetOutput:
     # l == L is the final, normalised output. Only the requested indices are present.
     hidden_states: dict[int, torch.Tensor] = field(default_factory=dict)  # each [T, E]
 
+    def select(self, rows: list[int]) -> TargetOutput:
+        """The given rows (e.g. the positions a verification kept)."""
+        index = torch.tensor(rows, device=self.logits.device)
+        return TargetOutput(
+            logits=self.logits[index],
+            layer_kv=self.layer_kv[index],
+            hidden_states={k: v[index] for k, v in self.hidden_states.items()},
+        )
+
+    @staticmethod
+    def concat(outs: list[TargetOutput]) -> TargetOutput:
+        """Several passes' rows, in order."""
+        return TargetOutput(
+            logits=torch.cat([o.logits for o in outs]),
+            layer_kv=torch.cat([o.layer_kv for o in outs]),
+            hidden_states={
+                k: torch.cat([o.hidden_states[k] for o in outs]) for k in outs[0].hidden_states
+            },
+        )
+
 
 def check_supported(model: Any) -> None:
     """Raise a clear error if `model` is not a Llama-style causal LM the adapter can drive."""

@@ -28,13 +28,13 @@ from vllm_moa.checkpoint.io import drafter_dir_of, load_config
 from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree, TreeParams
+from vllm_moa.drafters import kind_of
 from vllm_moa.remote import protocol
 from vllm_moa.remote.device_target import DeviceTarget
 from vllm_moa.remote.protocol import Finish, QTensor
 from vllm_moa.remote.split import (
     client_output,
     client_proposer,
-    drafter_kind,
     expected_rows,
     fingerprint,
 )
@@ -208,7 +208,7 @@ class RemoteClient:
         self.tli = int(getattr(load_config(drafter_dir), "tli", 0))
         self.target = DeviceTarget.load(target_dir, self.tli, dtype, device)
         drafter = load_drafter(drafter_dir, self.target.shape, dtype=dtype, device=device)
-        self.kind = drafter_kind(drafter)
+        self.kind = kind_of(drafter).name
         self.proposer = client_proposer(drafter, self.target)
         self.fingerprint = fingerprint(drafter_dir)
         self.timeout_s = timeout_s
@@ -419,10 +419,9 @@ class RemoteClient:
     ) -> DraftTree:
         """This cycle's draft below `last` (at `position`), as a tree (a chain: one branch)."""
         room = min(left - 1, self.target.max_length - position - 2)
-        if room < 1:
-            tokens: list[int] = []
+        if room < 1:  # the last token: no drafts, the server's next token only
             self.proposer.propose(last, 0, GREEDY, None)
-            return DraftTree(tokens, [], [])
+            return DraftTree([], [], [])
         if tree is not None:
             assert isinstance(self.proposer, TreeProposer)
             depth = min(tree.depth, room)
@@ -448,8 +447,8 @@ class RemoteClient:
         start: list[int] | None = None,
         accepted: list[int] | None = None,
     ) -> None:
-        """The server's rows for n verified tokens into the target parts and the proposer."""
-        self._check_rows(rows, n)
+        """The server's rows for n verified tokens (checked by the caller, `_check_rows`,
+        before anything of the cycle was taken) into the target parts and the proposer."""
         tensors = [r.dequantize(self.target.dtype) for r in rows]
         tail = tensors[1] if self.tli else None
         self.target.append_verified(n, tail)

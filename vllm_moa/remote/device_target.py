@@ -142,3 +142,4 @@ class DeviceTarget(HFTarget):
         raise RuntimeError("a DeviceTarget holds no full target: the server runs target passes")
 
     forward_tree = forward_batch = forward
+    forward_trees = forward  # type: ignore[assignment]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -195,3 +196,33 @@ class RemoteServer:
             raise ConnectionError("client stopped reading") from None
         except ConnectionError:
             pass
+
+
+class BackgroundServer:
+    """A RemoteServer on its own event loop in a daemon thread, for tests and in-process
+    benchmarks: `address` is HOST:PORT (port 0 picks a free one); `stop()` shuts it down."""
+
+    def __init__(
+        self, verifier: Verifier, limits: ServerLimits | None = None, host: str = "127.0.0.1"
+    ) -> None:
+        self.server = RemoteServer(verifier, limits)
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+        port: list[int] = []
+
+        def run() -> None:
+            asyncio.set_event_loop(self.loop)
+            port.append(self.loop.run_until_complete(self.server.start(host, 0)))
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        if not ready.wait(60):
+            raise RuntimeError("the background server did not start")
+        self.address = f"{host}:{port[0]}"
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)

@@ -32,11 +32,6 @@ from vllm_moa.model.baselines import EagleDrafter
 from vllm_moa.model.moa import MoADrafter
 
 
-def drafter_kind(drafter: nn.Module) -> str:
-    """The registry's name for the drafter's kind (moa, eagle, independent)."""
-    return kind_of(drafter).name
-
-
 def fingerprint(drafter_dir: str | Path) -> bytes:
     """8 bytes naming the drafter's weights: client and server must hold the same drafter."""
     digest = hashlib.sha256()
@@ -55,7 +50,7 @@ class ServerHalf:
 
     @property
     def kind(self) -> str:
-        return drafter_kind(self.drafter)
+        return str(kind_of(self.drafter).name)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -69,7 +64,7 @@ class ServerHalf:
     def rows(self, verified: TargetOutput, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per verified token (rows of `verified`, at `positions`), the tensors to send, each
         [n, ..., W] (one int8 scale per W-vector)."""
-        d, n = self.drafter, verified.logits.shape[0]
+        d = self.drafter
         if isinstance(d, MoADrafter):
             source = verified.layer_kv if d.uses_lsa else verified.hidden_states[self.num_layers]
             memory = d.encode_memory(source.to(d.dtype))
@@ -81,8 +76,7 @@ class ServerHalf:
             return out  # memory: [n, 2*Hkv (k_h0, v_h0, ...), D]
         if isinstance(d, EagleDrafter):
             return [verified.hidden_states[self.num_layers]]
-        assert n >= 0
-        return []
+        return []  # independent: tokens only
 
 
 class DeviceMoAProposer(MoAProposer):

@@ -46,15 +46,6 @@ class Session:
         return self.prompt_len + len(self.generated) - 1
 
 
-def _rows(out: TargetOutput, rows: list[int]) -> TargetOutput:
-    index = torch.tensor(rows, device=out.logits.device)
-    return TargetOutput(
-        logits=out.logits[index],
-        layer_kv=out.layer_kv[index],
-        hidden_states={k: v[index] for k, v in out.hidden_states.items()},
-    )
-
-
 class Verifier:
     def __init__(
         self,
@@ -72,7 +63,7 @@ class Verifier:
 
     def open(self, start: protocol.Start) -> Session:
         """A new session for a START message; ProtocolError names what is unacceptable."""
-        vocab, limit = self.target.shape.vocab_size, self.target.max_length
+        limit = self.target.max_length
         if start.fingerprint != self.fingerprint:
             raise ProtocolError(
                 f"the client's drafter (fingerprint {start.fingerprint.hex()}) is not the "
@@ -98,7 +89,6 @@ class Verifier:
                 f"START: temperature {start.temperature:g} is below {MIN_TEMPERATURE}; "
                 "use 0 for greedy decoding"
             )
-        del vocab
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(start.seed) if start.seed is not None else gen.seed()
         return Session(
@@ -182,7 +172,7 @@ class Verifier:
             session.cache.keep(p, [p + r for r in rows])
             accepted = [tree.tokens[i] for i in verdict.path]
             emitted = self._emit(session, [*accepted, verdict.next_token])
-            kept.append(_rows(out, rows))
+            kept.append(out.select(rows))
             kept_positions.append(torch.arange(p, p + len(rows)))
             replies.append(
                 protocol.Verified(draft.cycle, emitted[:-1], emitted[-1], session.finish)
@@ -218,13 +208,7 @@ class Verifier:
         """The quantised activation rows for each output, computed in one drafter pass."""
         if not outs:
             return []
-        joined = TargetOutput(
-            logits=torch.cat([o.logits for o in outs]),
-            layer_kv=torch.cat([o.layer_kv for o in outs]),
-            hidden_states={
-                k: torch.cat([o.hidden_states[k] for o in outs]) for k in outs[0].hidden_states
-            },
-        )
+        joined = TargetOutput.concat(outs)
         device = self.target.device
         tensors = self.half.rows(joined, torch.cat(positions).to(device))
         sizes = [o.logits.shape[0] for o in outs]
