@@ -94,9 +94,14 @@ def build_target(shape: Shape, device: str, dtype: torch.dtype) -> Any:
 
 
 def build_drafters(target: Any, device: str, dtype: torch.dtype) -> dict[str, nn.Module]:
-    from vllm_moa.model import MoADrafter, TargetInfo, make_config
+    from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
-    from vllm_moa.model.presets import make_eagle_config, make_independent_config
+    from vllm_moa.model.presets import (
+        TargetInfo,
+        make_config,
+        make_eagle_config,
+        make_independent_config,
+    )
 
     info = TargetInfo(target.shape, target.config.num_attention_heads)
     drafters: dict[str, nn.Module] = {
@@ -157,7 +162,7 @@ def _reset(proposer: Any, length: int) -> None:
 def measure(shape: Shape, device: str, dtype: torch.dtype, context: int) -> dict[str, Any]:
     from vllm_moa.decoding.factory import make_proposer
     from vllm_moa.decoding.sampling import SamplingParams
-    from vllm_moa.model import MoADrafter
+    from vllm_moa.drafters.moa.model import MoADrafter
 
     timer = make_timer(device)
     target = build_target(shape, device, dtype)
@@ -245,7 +250,7 @@ def memory_bytes(target: Any, drafters: dict[str, nn.Module], context: int) -> d
     """Bytes each step must read at least (weights + the K/V it attends over), for the
     memory-bound lower bound. Shared modules (the LM head, TLI's target layers) count in full:
     every draft step reads them."""
-    from vllm_moa.model import MoADrafter
+    from vllm_moa.drafters.moa.model import MoADrafter
 
     s = target.shape
     elem = next(target.model.parameters()).element_size()

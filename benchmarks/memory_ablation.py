@@ -44,12 +44,14 @@ from benchmarks.testbed.drafters import build_drafters, drafter_train_config
 from benchmarks.testbed.presets import PRESETS
 from benchmarks.testbed.report import save_json
 from vllm_moa.checkpoint import load_drafter, save_drafter
+from vllm_moa.drafters.moa.config import MoAConfig
+from vllm_moa.drafters.moa.method import MoAMethod
+from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target import HFTarget, load_target_info
 from vllm_moa.hf_target.adapter import TargetOutput
-from vllm_moa.model import MoAConfig, MoADrafter, count_parameters
+from vllm_moa.model.layers import count_parameters
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.factory import method_for
-from vllm_moa.training.methods import MoAMethod
 
 
 class ReadoutLSA(MoADrafter):

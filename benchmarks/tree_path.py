@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from vllm_moa.decoding.moa_proposer import MoAProposer
 from vllm_moa.decoding.proposer import DraftProposal
 from vllm_moa.decoding.tree import DraftTree
+from vllm_moa.drafters.moa.proposer import MoAProposer
 
 
 def best_path(tree: DraftTree, max_len: int, keep_first: bool = False) -> list[int]:
@@ -78,8 +78,8 @@ def main() -> None:
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.decoding import SpeculativeEngine
+    from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.hf_target import HFTarget
-    from vllm_moa.model import MoADrafter
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)

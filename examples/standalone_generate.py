@@ -13,7 +13,8 @@ import sys
 from transformers import AutoTokenizer
 
 from vllm_moa.checkpoint import load_drafter
-from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine
+from vllm_moa.decoding import SamplingParams, SpeculativeEngine
+from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.hf_target import HFTarget
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import AlternatingCosts, OracleMoAProposer, make_drafter
 
-from vllm_moa.decoding import MoAProposer, SpeculativeEngine
+from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.decoding.adaptive import (
     PROBE_EVERY,
     AcceptanceTracker,
@@ -18,6 +18,7 @@ from vllm_moa.decoding.adaptive import (
     StepCosts,
     choose_lengths,
 )
+from vllm_moa.drafters.moa.proposer import MoAProposer
 
 K = 4
 
@@ -264,9 +265,8 @@ class InStepEngine(SpeculativeEngine):
 
 def _proposer(kind, target):
     from vllm_moa.decoding import make_proposer
-    from vllm_moa.model import TargetInfo
     from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
-    from vllm_moa.model.presets import make_eagle_config, make_independent_config
+    from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 
     if kind.startswith("moa"):
         return OracleMoAProposer(make_drafter(target, tli=int(kind[-1]), seed=3), target)

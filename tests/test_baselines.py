@@ -10,10 +10,9 @@ from vllm_moa.decoding import EagleProposer, IndependentProposer, SpeculativeEng
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.hf_target import HFTarget
-from vllm_moa.model import TargetInfo
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.masks import bounded_memory_limits
-from vllm_moa.model.presets import make_eagle_config, make_independent_config
+from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl
 from vllm_moa.training.methods import EagleMethod, IndependentMethod

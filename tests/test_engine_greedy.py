@@ -4,7 +4,8 @@ import pytest
 import torch
 from conftest import OracleMoAProposer, make_drafter, make_hf_model
 
-from vllm_moa.decoding import MoAProposer, SpeculativeEngine
+from vllm_moa.decoding import SpeculativeEngine
+from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.hf_target import HFTarget
 
 PROMPTS = [

@@ -11,7 +11,8 @@ from conftest import make_drafter, make_hf_model
 from vllm_moa.checkpoint import save_drafter
 from vllm_moa.checkpoint.inflate import inflate_drafter, inflate_target
 from vllm_moa.checkpoint.io import load_drafter
-from vllm_moa.decoding import MoAProposer, SpeculativeEngine
+from vllm_moa.decoding import SpeculativeEngine
+from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config

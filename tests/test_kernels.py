@@ -373,8 +373,9 @@ def test_forward_tree_through_the_kernel_equals_sdpa(monkeypatch):
 def test_tree_decoding_with_kernels_equals_plain_greedy(monkeypatch):
     from conftest import make_drafter
 
-    from vllm_moa.decoding import MoAProposer, SpeculativeEngine
+    from vllm_moa.decoding import SpeculativeEngine
     from vllm_moa.decoding.tree import TreeParams
+    from vllm_moa.drafters.moa.proposer import MoAProposer
 
     target = _tree_target()
     plain = SpeculativeEngine(target).generate([1, 5, 3, 7], 16).token_ids

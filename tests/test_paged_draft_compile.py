@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_moa.model import MoADrafter, make_config
+from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.presets import TargetInfo
+from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV, page_views
 from vllm_moa.vllm_plugin.proposer import paged_draft_step
 

@@ -22,10 +22,9 @@ from vllm_moa.decoding import SamplingParams, SpeculativeEngine
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.hf_target.adapter import TreeInput
-from vllm_moa.model import TargetInfo
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
 from vllm_moa.model.kv_cache import KVCache
-from vllm_moa.model.presets import make_eagle_config, make_independent_config
+from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 from vllm_moa.remote import protocol
 from vllm_moa.remote.client import RemoteClient, RemoteError
 from vllm_moa.remote.protocol import Finish, ProtocolError, QTensor

@@ -7,8 +7,9 @@ import torch
 from conftest import AlternatingCosts, make_drafter, make_hf_model
 from scipy.stats import chi2
 
-from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine, Verdict
+from vllm_moa.decoding import SamplingParams, SpeculativeEngine, Verdict
 from vllm_moa.decoding.sampling import probabilities, verify_rejection
+from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.hf_target import HFTarget
 
 

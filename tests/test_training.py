@@ -13,8 +13,8 @@ import torch
 from conftest import OracleMoAProposer, make_drafter
 
 from vllm_moa.decoding import SpeculativeEngine
+from vllm_moa.drafters.moa.method import MoAMethod
 from vllm_moa.training.data import Example, collate, load_examples
-from vllm_moa.training.methods import MoAMethod
 
 PROMPT = [3, 17, 99, 42, 7, 250, 8, 61, 5]
 
@@ -463,8 +463,9 @@ def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
     """MoAMethod(memory_layer=j) feeds a memory_source "hidden" drafter hidden_states[j] (the
     ablation in benchmarks/memory_ablation.py), and Trainer(make_method=...) trains a method
     built outside the product's --method choices."""
+    from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.hf_target import HFTarget, load_target_info
-    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.model.presets import make_config
     from vllm_moa.training import TrainConfig, Trainer
 
     info = load_target_info(tiny_target_dir)

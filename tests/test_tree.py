@@ -99,8 +99,9 @@ def test_tree_sampling_preserves_the_target_distribution(verifier, lossless):
 # ---- end to end: the engine with MoA trees ----
 from conftest import make_drafter, make_hf_model  # noqa: E402
 
-from vllm_moa.decoding import MoAProposer, SamplingParams, SpeculativeEngine  # noqa: E402
+from vllm_moa.decoding import SamplingParams, SpeculativeEngine  # noqa: E402
 from vllm_moa.decoding.tree import TreeParams  # noqa: E402
+from vllm_moa.drafters.moa.proposer import MoAProposer  # noqa: E402
 from vllm_moa.hf_target import HFTarget  # noqa: E402
 
 

@@ -34,8 +34,9 @@ def ensure_demo_models(
 ) -> tuple[Path, Path]:
     """Return (target_dir, drafter_dir), building and training them on first use."""
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.model.presets import make_config
     from vllm_moa.training import TrainConfig, Trainer
     from vllm_moa.training.pretrain import pretrain_target
 

@@ -99,7 +99,7 @@ def _drafters(
 ) -> dict[str, dict[str, float]]:
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model import count_parameters
+    from vllm_moa.model.layers import count_parameters
     from vllm_moa.training import Trainer
 
     target_dir = out / "target"

@@ -8,9 +8,16 @@ from pathlib import Path
 from torch import nn
 
 from benchmarks.testbed.presets import DEFAULT_MOA_REFRESH, TestbedConfig
-from vllm_moa.model import MoAConfig, MoADrafter, TargetInfo, count_parameters, make_config
+from vllm_moa.drafters.moa.config import MoAConfig
+from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
-from vllm_moa.model.presets import make_eagle_config, make_independent_config
+from vllm_moa.model.layers import count_parameters
+from vllm_moa.model.presets import (
+    TargetInfo,
+    make_config,
+    make_eagle_config,
+    make_independent_config,
+)
 from vllm_moa.training.config import TrainConfig
 
 METHODS = ("moa_tli0", "moa_tli1", "moa_no_lsa", "eagle", "independent")

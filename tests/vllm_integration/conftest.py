@@ -40,8 +40,9 @@ def build_pair(base: Path) -> dict[str, Path]:
     """Target (briefly pretrained, so greedy text is repetitive enough for drafts to land) and
     MoA TLI=0 and TLI=1 drafters trained briefly against it."""
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.model.presets import make_config
     from vllm_moa.tiny import TinyTargetSpec, build_tiny_target, stdlib_sources
     from vllm_moa.training.pretrain import pretrain_target
 

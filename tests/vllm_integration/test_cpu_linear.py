@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from vllm_moa.model import MoADrafter, make_config
+from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.presets import TargetInfo
+from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.cpu_linear import DispatchedLinear, dispatch_linears
 
 pytestmark = pytest.mark.vllm

@@ -43,8 +43,9 @@ def plain(moa_pair):
 @pytest.fixture(scope="module")
 def random_drafter(moa_pair, tmp_path_factory):
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model import MoADrafter, make_config
+    from vllm_moa.model.presets import make_config
 
     drafter = MoADrafter(make_config(load_target_info(moa_pair["target"]), preset="small"))
     drafter.init_weights(seed=11)

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 
 from vllm_moa.checkpoint.io import load_checked, load_state_dict, save_drafter
-from vllm_moa.model.config import MoAConfig, TargetShape
-from vllm_moa.model.moa import MoADrafter
+from vllm_moa.drafters.moa.config import MoAConfig
+from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.model.config import TargetShape
 
 BLOCKS = ("layer_self_attention", "self_attention", "cross_attention")
 _SHARED_TARGET_KEYS = ("embed_tokens.", "lm_head.", "model.embed_tokens.")

@@ -29,8 +29,10 @@ def _runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
 
 def init_drafter(args: argparse.Namespace) -> int:
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model import MoADrafter, count_parameters, make_config
+    from vllm_moa.model.layers import count_parameters
+    from vllm_moa.model.presets import make_config
 
     info = load_target_info(args.target)
     config = make_config(info, preset=args.preset, tli=args.tli)

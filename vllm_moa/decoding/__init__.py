@@ -3,7 +3,6 @@
 from vllm_moa.decoding.baseline_proposers import EagleProposer, IndependentProposer
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
 from vllm_moa.decoding.factory import make_proposer
-from vllm_moa.decoding.moa_proposer import MoAProposer
 from vllm_moa.decoding.ngram_proposer import NgramProposer
 from vllm_moa.decoding.proposer import DraftProposal, Proposer
 from vllm_moa.decoding.sampling import SamplingParams, Verdict, verify_greedy, verify_rejection
@@ -15,7 +14,6 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "IndependentProposer",
-    "MoAProposer",
     "NgramProposer",
     "Proposer",
     "SamplingParams",

@@ -48,10 +48,10 @@ KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(
         name="moa",
         model_type="moa_drafter",
-        config="vllm_moa.model.config:MoAConfig",
-        module="vllm_moa.model.moa:MoADrafter",
-        proposer="vllm_moa.decoding.moa_proposer:MoAProposer",
-        method="vllm_moa.training.methods:MoAMethod",
+        config="vllm_moa.drafters.moa.config:MoAConfig",
+        module="vllm_moa.drafters.moa.model:MoADrafter",
+        proposer="vllm_moa.drafters.moa.proposer:MoAProposer",
+        method="vllm_moa.drafters.moa.method:MoAMethod",
     ),
     DrafterKind(
         name="eagle",

@@ -1,17 +1,6 @@
-"""The MoA drafter: configuration, layers, masks and the model itself (no vLLM imports)."""
+"""Drafter math every kind shares, no vLLM imports: config base and target shape (config.py),
+layers, masks, the KV cache, and presets sizing each kind for a target (presets.py).
 
-from vllm_moa.model.config import MoAConfig, TargetShape
-from vllm_moa.model.kv_cache import KVCache
-from vllm_moa.model.moa import MoADrafter, count_parameters
-from vllm_moa.model.presets import PRESETS, TargetInfo, make_config
-
-__all__ = [
-    "PRESETS",
-    "KVCache",
-    "MoAConfig",
-    "MoADrafter",
-    "TargetInfo",
-    "TargetShape",
-    "count_parameters",
-    "make_config",
-]
+The kinds themselves live in vllm_moa.drafters. Nothing is re-exported here: presets.py imports
+each kind's config, which imports config.py here, so a re-export would make an import cycle.
+"""

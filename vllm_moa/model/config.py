@@ -1,4 +1,5 @@
-"""The MoA drafter's configuration: every architecture knob plus the target shape it is for."""
+"""What every drafter's configuration shares: the target shape it is built for, validation
+helpers and the config.json round trip. Each kind's own: vllm_moa/drafters/KIND/config.py."""
 
 from __future__ import annotations
 
@@ -10,11 +11,7 @@ from typing import Any, ClassVar
 
 from typing_extensions import Self
 
-MOA_ARCHITECTURE = "MoADrafter"
-MOA_MODEL_TYPE = "moa_drafter"
-MEMORY_SOURCES = ("lsa", "hidden")
-
-# Keys a Hugging Face style config.json may carry that are not MoA fields.
+# Keys a Hugging Face style config.json may carry that are not config fields.
 _HF_METADATA_KEYS = frozenset(
     {
         "architectures",
@@ -181,60 +178,3 @@ def read_config_json(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
     return data
-
-
-@dataclass(frozen=True)
-class MoAConfig(DrafterConfig):
-    """Architecture of a Mixture of Attentions drafter (see docs: MOA_SPEC.md).
-
-    LSA runs over the layer axis with width 2 * E_kv; SA and CA run over tokens with width E.
-    Head sizes are derived: width / num_heads.
-    """
-
-    MODEL_TYPE: ClassVar[str] = MOA_MODEL_TYPE
-    ARCHITECTURE: ClassVar[str] = MOA_ARCHITECTURE
-
-    # Layer Self-Attention (over the L axis, width 2 * E_kv).
-    lsa_num_heads: int
-    lsa_num_kv_heads: int
-    lsa_intermediate_size: int
-    # Self-Attention (causal, over the target's token embeddings).
-    sa_num_heads: int
-    sa_num_kv_heads: int
-    sa_intermediate_size: int
-    # Cross-Attention (queries from SA, keys/values from the LSA memory).
-    ca_num_heads: int
-    ca_num_kv_heads: int
-    ca_intermediate_size: int
-    # Target Layer Inference: how many of the target's last layers finish the draft.
-    tli: int = 0
-    rope_theta: float = 10000.0  # SA and CA, over token positions
-    lsa_rope_theta: float = 10000.0  # LSA, over the layer index
-    rms_norm_eps: float = 1e-5
-    # LSA's norms' eps when it differs from SA/CA's (`vllm-moa inflate` widens SA/CA, not LSA);
-    # 0: the same as rms_norm_eps.
-    lsa_rms_norm_eps: float = 0.0
-    # "lsa": memory rows come from LSA over every layer's K|V (MoA). "hidden": the CA reads the
-    # target's final hidden states instead (the paper's "-LSA, o_1..o_t inputs" ablation).
-    memory_source: str = "lsa"
-
-    def __post_init__(self) -> None:
-        if self.memory_source not in MEMORY_SOURCES:
-            raise ValueError(
-                f"MoAConfig.memory_source must be one of {list(MEMORY_SOURCES)}, "
-                f"got {self.memory_source!r}"
-            )
-        self._check_numbers(allow_zero=("tli", "lsa_rms_norm_eps"))
-        if not 0 <= self.tli < self.target_num_layers:
-            raise ValueError(
-                f"MoAConfig.tli must satisfy 0 <= tli < target_num_layers "
-                f"({self.target_num_layers}), got {self.tli}"
-            )
-        self._check_heads("lsa_", self.lsa_width, self.lsa_num_heads, self.lsa_num_kv_heads)
-        self._check_heads("sa_", self.target_hidden_size, self.sa_num_heads, self.sa_num_kv_heads)
-        self._check_heads("ca_", self.target_hidden_size, self.ca_num_heads, self.ca_num_kv_heads)
-
-    @property
-    def lsa_width(self) -> int:
-        """2 * E_kv: one token's K|V for one target layer."""
-        return 2 * self.target_num_kv_heads * self.target_head_dim

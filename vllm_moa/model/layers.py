@@ -257,3 +257,12 @@ class DecoderBlock(nn.Module):
         out = attend(q, k, v)
         x = x + attn.o_proj(out.flatten(1).to(x.dtype))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def count_parameters(module: nn.Module) -> dict[str, int]:
+    """Trainable parameter counts per top-level child and in total."""
+    out = {
+        name: sum(p.numel() for p in child.parameters()) for name, child in module.named_children()
+    }
+    out["total"] = sum(out.values())
+    return out

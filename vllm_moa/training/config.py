@@ -17,7 +17,7 @@ from typing import Any, Literal, get_args
 
 Method = Literal["moa", "eagle", "independent"]
 Preset = Literal["small", "paper"]  # vllm_moa/model/presets.py PRESETS
-MemorySource = Literal["lsa", "hidden"]  # vllm_moa/model/config.py MEMORY_SOURCES
+MemorySource = Literal["lsa", "hidden"]  # vllm_moa/drafters/moa/config.py MEMORY_SOURCES
 Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autocast
 
 METHODS: tuple[str, ...] = get_args(Method)

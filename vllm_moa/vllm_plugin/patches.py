@@ -131,8 +131,8 @@ def resolve_moa_drafter(model: object, target_hf_config: Any = None) -> str:
     """Check `model` names a MoA drafter directory (for the target of `target_hf_config`, when
     given: shape and weights file checked, no weights read); return its absolute path."""
     from vllm_moa.checkpoint.validate import DrafterCheckError, check_drafter_dir
+    from vllm_moa.drafters.moa.config import MOA_MODEL_TYPE
     from vllm_moa.hf_target.adapter import target_shape
-    from vllm_moa.model.config import MOA_MODEL_TYPE
 
     if not isinstance(model, str) or not model:
         raise ValueError(

@@ -52,7 +52,7 @@ from vllm_moa.decoding.adaptive import (
     StepCosts,
     adaptive_enabled,
 )
-from vllm_moa.model.moa import MoADrafter
+from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.vllm_plugin.cpu_linear import dispatch_linears
 from vllm_moa.vllm_plugin.kv_reader import (
     CpuBlockLayout,

@@ -2,7 +2,7 @@
 
 The module holds only the drafter's own weights. The target's token embeddings, LM head and (for
 TLI > 0) its last layers are used through the target adapter, never copied here; see
-`vllm_moa.decoding.moa_proposer` for incremental inference.
+`vllm_moa.drafters.moa.proposer` for incremental inference.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from vllm_moa.model.config import MoAConfig
+from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.model.layers import Attend, DecoderBlock
 from vllm_moa.model.masks import causal_mask, memory_mask
 
@@ -128,12 +128,3 @@ class MoADrafter(nn.Module):
         mem_k, mem_v = self.memory_kv(memory, positions)
         mask = memory_mask(memory_limit.reshape(-1), seq).view(-1, 1, seq, seq)
         return self.cross_attention(h, positions, mem_k, mem_v, mask)
-
-
-def count_parameters(module: nn.Module) -> dict[str, int]:
-    """Trainable parameter counts per top-level child and in total."""
-    out = {
-        name: sum(p.numel() for p in child.parameters()) for name, child in module.named_children()
-    }
-    out["total"] = sum(out.values())
-    return out

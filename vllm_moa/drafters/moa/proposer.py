@@ -22,10 +22,10 @@ from vllm_moa.decoding.proposer import DraftProposal, draft_token
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.decoding.tree_search import NodeKV, TreeSearch
+from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.layers import masked_attention
-from vllm_moa.model.moa import MoADrafter
 
 
 class MoAProposer:
