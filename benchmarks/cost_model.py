@@ -94,8 +94,9 @@ def build_target(shape: Shape, device: str, dtype: torch.dtype) -> Any:
 
 
 def build_drafters(target: Any, device: str, dtype: torch.dtype) -> dict[str, nn.Module]:
+    from vllm_moa.drafters.eagle.model import EagleDrafter
     from vllm_moa.drafters.moa.model import MoADrafter
-    from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+    from vllm_moa.model.baselines import IndependentDrafter
     from vllm_moa.model.presets import (
         TargetInfo,
         make_config,
@@ -150,7 +151,7 @@ def _reset(proposer: Any, length: int) -> None:
     """Back to the state of a new cycle with nothing accepted: the last token (at `length`) is
     the one pending drafter input (EAGLE's is at length - 1: its input pairs a feature with the
     next token)."""
-    from vllm_moa.decoding.baseline_proposers import EagleProposer
+    from vllm_moa.drafters.eagle.proposer import EagleProposer
 
     keep = length - 1 if isinstance(proposer, EagleProposer) else length
     for name in ("sa_cache", "cache"):

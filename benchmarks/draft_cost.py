@@ -72,9 +72,9 @@ def long_target(target: str, max_len: int, where: Path) -> str:
 def random_drafters(target: str, where: Path) -> tuple[str, str]:
     """Randomly initialised MoA (small, TLI=0) and EAGLE (small) drafters for `target`."""
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.eagle.model import EagleDrafter
     from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.baselines import EagleDrafter
     from vllm_moa.model.presets import make_config, make_eagle_config
 
     info = load_target_info(target)

@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from vllm_moa.checkpoint import save_drafter
 from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
 from vllm_moa.cli.main import main
+from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target import load_target_info
-from vllm_moa.model.baselines import EagleDrafter
 from vllm_moa.model.presets import make_config, make_eagle_config
 
 

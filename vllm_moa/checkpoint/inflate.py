@@ -35,8 +35,9 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from vllm_moa.checkpoint.io import load_drafter, save_drafter
+from vllm_moa.drafters.eagle.config import EagleConfig
 from vllm_moa.drafters.moa.config import MoAConfig
-from vllm_moa.model.baselines import EagleConfig, IndependentConfig
+from vllm_moa.model.baselines import IndependentConfig
 
 SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
 

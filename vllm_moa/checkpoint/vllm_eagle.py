@@ -21,8 +21,9 @@ from vllm_moa.checkpoint.io import (
     load_config,
     load_drafter,
 )
+from vllm_moa.drafters.eagle.config import EagleConfig
+from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.hf_target import load_target_info
-from vllm_moa.model.baselines import EagleConfig, EagleDrafter
 from vllm_moa.model.config import read_config_json
 
 

@@ -1,6 +1,6 @@
 """Standalone speculative decoding: sampling, verification, proposers and the engine."""
 
-from vllm_moa.decoding.baseline_proposers import EagleProposer, IndependentProposer
+from vllm_moa.decoding.baseline_proposers import IndependentProposer
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
 from vllm_moa.decoding.factory import make_proposer
 from vllm_moa.decoding.ngram_proposer import NgramProposer
@@ -10,7 +10,6 @@ from vllm_moa.decoding.stats import GenerationStats
 
 __all__ = [
     "DraftProposal",
-    "EagleProposer",
     "GenerationResult",
     "GenerationStats",
     "IndependentProposer",

@@ -1,4 +1,4 @@
-"""Incremental proposers for the baseline drafters (EAGLE, independent), one sequence each."""
+"""Incremental drafting with the independent drafter, one sequence."""
 
 from __future__ import annotations
 
@@ -6,113 +6,14 @@ from collections.abc import Sequence
 
 import torch
 
-from vllm_moa.decoding.proposer import DraftProposal, draft_token
+from vllm_moa.decoding.proposer import DraftProposal, check_catch_up, draft_token, stack_proposal
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.decoding.tree_search import NodeKV, TreeSearch
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
-from vllm_moa.model.baselines import EagleDrafter, IndependentDrafter
+from vllm_moa.model.baselines import IndependentDrafter
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.masks import causal_mask
-
-
-def _proposal(
-    drafts: list[int], logits: list[torch.Tensor], probs: list[torch.Tensor]
-) -> DraftProposal:
-    return DraftProposal(
-        tokens=drafts,
-        logits=torch.stack(logits) if logits else torch.empty(0),
-        probs=torch.stack(probs) if probs else None,
-    )
-
-
-class EagleProposer:
-    """EAGLE drafting: input i = (x_{i+1}, f_i). The layer's KV cache holds only positions whose
-    feature was the target's true one; drafted positions (predicted features) are recomputed
-    after each verification."""
-
-    def __init__(self, drafter: EagleDrafter, target: HFTarget) -> None:
-        drafter.config.check_target(target.shape)
-        self.drafter = drafter.eval()
-        self.target = target
-        self.hidden_layers: tuple[int, ...] = (target.shape.num_layers,)
-        self.cache = KVCache(1)
-        self.tokens: list[int] = []
-        self.features = torch.empty(0)  # [p, E]: the target's final hidden states
-        self._last_token: int | None = None
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.drafter.fc.weight.dtype
-
-    def start(self, prompt_ids: list[int], prefill: TargetOutput) -> None:
-        self.cache.reset()
-        self.tokens = list(prompt_ids)
-        self.features = prefill.hidden_states[self.target.shape.num_layers]
-        self._last_token = None
-
-    @torch.no_grad()
-    def _step(self, first: int, next_ids: list[int], features: torch.Tensor) -> torch.Tensor:
-        """Run positions first.. with inputs (x_{i+1}, f_i); return the last output [E]."""
-        device = self.target.device
-        positions = torch.arange(first, first + len(next_ids), device=device)
-        emb = self.target.embed(torch.tensor(next_ids, device=device)).to(self.dtype)
-        x = self.drafter.fuse(emb[None], features.to(self.dtype)[None])
-        layer = self.drafter.layer
-        k, v = self.cache.update(*layer.kv_from(x, positions), 0)
-        return layer(x[:, -1:], positions[-1:], k, v, None)[0, -1]
-
-    def propose(
-        self,
-        last_token: int,
-        num_tokens: int,
-        params: SamplingParams,
-        gen: torch.Generator | None,
-        forced: Sequence[int] = (),
-    ) -> DraftProposal:
-        p, first = len(self.tokens), self.cache.length()
-        seq = [*self.tokens, last_token]
-        predicted = self._step(first, seq[first + 1 : p + 1], self.features[first:p])
-        drafts: list[int] = []
-        logits, probs = [], []
-        for i in range(num_tokens):
-            row = self.target.lm_logits(predicted[None].to(self.target.dtype))[0]
-            token, dist = draft_token(row, i, forced, params, gen)
-            drafts.append(token)
-            logits.append(row)
-            if dist is not None:
-                probs.append(dist)
-            if i + 1 < num_tokens:  # position p+i: (draft token, predicted feature)
-                predicted = self._step(p + i, [token], predicted[None])
-        self.cache.crop(p)  # positions >= p used predicted features
-        self._last_token = last_token
-        return _proposal(drafts, logits, probs)
-
-    def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
-        """EAGLE-2 tree below `last_token` (the Trees section); then state as after propose()."""
-        tree = EagleTreeDrafter(self, last_token).draft(depth, breadth, budget)
-        self._last_token = last_token
-        return tree
-
-    def withdraw(self) -> None:
-        # propose() kept positions < p, but not the output at p-1 the next draft starts from.
-        self.cache.crop(max(0, len(self.tokens) - 1))
-        self._last_token = None
-
-    def accept(self, accepted: list[int], verified: TargetOutput) -> None:
-        if self._last_token is None:
-            raise RuntimeError("accept() called without a preceding propose()")
-        new = verified.hidden_states[self.target.shape.num_layers]
-        self.features = torch.cat([self.features, new])
-        self.tokens.extend([self._last_token, *accepted])
-        self._last_token = None
-
-    def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
-        """Plainly decoded tokens and their features; the next draft step runs them."""
-        _check_catch_up(self._last_token, tokens, verified)
-        new = verified.hidden_states[self.target.shape.num_layers]
-        self.features = torch.cat([self.features, new])
-        self.tokens.extend(tokens)
 
 
 class IndependentProposer:
@@ -167,7 +68,7 @@ class IndependentProposer:
             if dist is not None:
                 probs.append(dist)
         self._last_token = last_token
-        return _proposal(drafts, logits, probs)
+        return stack_proposal(drafts, logits, probs)
 
     def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
         """EAGLE-2 tree below `last_token` (the Trees section); then state as after propose()."""
@@ -188,67 +89,16 @@ class IndependentProposer:
 
     def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
         """Plainly decoded tokens; the next draft step runs them through the drafter."""
-        _check_catch_up(self._last_token, tokens, verified)
+        check_catch_up(self._last_token, tokens, verified)
         self.tokens.extend(tokens)
-
-
-def _check_catch_up(last_token: int | None, tokens: list[int], verified: TargetOutput) -> None:
-    if last_token is not None:
-        raise RuntimeError("catch_up() called between propose() and accept()")
-    if verified.logits.shape[0] != len(tokens):
-        raise ValueError(
-            f"catch_up() needs one verified row per token: {len(tokens)} tokens, "
-            f"{verified.logits.shape[0]} rows"
-        )
 
 
 # -- Trees -------------------------------------------------------------------------------------
 #
-# EAGLE-2 trees with the baseline drafters (one sequence; the search itself is `tree_search`).
+# EAGLE-2 trees with the independent drafter (one sequence; the search itself is `tree_search`).
 #
-# EAGLE: a candidate at depth d (token at position p + d) is the layer input (its token, its
-# parent's predicted feature) at position p + d - 1 (the root's children take the root step's
-# predicted feature); its output is its own predicted feature, from which its children are read.
-# Independent: a candidate is its token at position p + d, run through every layer.
-# In both, a candidate's query sees the cached prefix and its ancestors among the expanded.
-
-
-class EagleTreeDrafter(TreeSearch):
-    def __init__(self, proposer: EagleProposer, last_token: int) -> None:
-        super().__init__()
-        self.prop = proposer
-        self.last_token = last_token
-        self.features: dict[int, torch.Tensor] = {}  # expanded candidate -> predicted feature
-
-    def root(self) -> torch.Tensor:
-        prop = self.prop
-        self.p, first = len(prop.tokens), prop.cache.length()
-        seq = [*prop.tokens, self.last_token]
-        # positions first..p-1 with true features (kept in the proposer's cache)
-        self.root_feature = prop._step(
-            first, seq[first + 1 : self.p + 1], prop.features[first : self.p]
-        )
-        self.kv = NodeKV({0: prop.cache.get(0)})
-        return prop.target.lm_logits(self.root_feature[None].to(prop.target.dtype))[0]
-
-    def expand(self, frontier: list[int]) -> torch.Tensor:
-        prop, target, p = self.prop, self.prop.target, self.p
-        device = target.device
-        ids, positions = self.inputs(frontier, p - 1, device)
-        parents = torch.stack([self._parent_feature(c) for c in frontier])
-        emb = target.embed(ids).to(prop.dtype)
-        x = prop.drafter.fuse(emb[None], parents.to(prop.dtype)[None])  # [1, f, E]
-        layer = prop.drafter.layer
-        k, v = self.kv.update(*layer.kv_from(x, positions), 0)
-        allowed = self.visible(frontier, p).to(device)
-        out = layer(x, positions, k, v, allowed)[0]  # [f, E] predicted features
-        for r, c in enumerate(frontier):
-            self.features[c] = out[r]
-        return target.lm_logits(out.to(target.dtype))
-
-    def _parent_feature(self, candidate: int) -> torch.Tensor:
-        parent = self.parent[candidate]
-        return self.root_feature if parent < 0 else self.features[parent]
+# A candidate is its token at position p + d, run through every layer. Its query sees the cached
+# prefix and its ancestors among the expanded.
 
 
 class IndependentTreeDrafter(TreeSearch):

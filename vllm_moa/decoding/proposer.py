@@ -91,3 +91,26 @@ def choose_token(
         return int(logits.argmax().item()), None  # device sync
     probs = probabilities(logits, params)
     return sample(probs, generator), probs
+
+
+def stack_proposal(
+    drafts: list[int], logits: list[torch.Tensor], probs: list[torch.Tensor]
+) -> DraftProposal:
+    """A proposal from its drafts, their logits rows [V] and sampling distributions [V]."""
+    return DraftProposal(
+        tokens=drafts,
+        logits=torch.stack(logits) if logits else torch.empty(0),
+        probs=torch.stack(probs) if probs else None,
+    )
+
+
+def check_catch_up(last_token: int | None, tokens: list[int], verified: TargetOutput) -> None:
+    """What catch_up() checks of a proposer keeping no per-token target rows: its last proposal
+    was accepted or withdrawn, and `verified` holds one row per token."""
+    if last_token is not None:
+        raise RuntimeError("catch_up() called between propose() and accept()")
+    if verified.logits.shape[0] != len(tokens):
+        raise ValueError(
+            f"catch_up() needs one verified row per token: {len(tokens)} tokens, "
+            f"{verified.logits.shape[0]} rows"
+        )

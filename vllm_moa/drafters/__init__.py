@@ -56,10 +56,10 @@ KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(
         name="eagle",
         model_type="eagle_drafter",
-        config="vllm_moa.model.baselines:EagleConfig",
-        module="vllm_moa.model.baselines:EagleDrafter",
-        proposer="vllm_moa.decoding.baseline_proposers:EagleProposer",
-        method="vllm_moa.training.methods:EagleMethod",
+        config="vllm_moa.drafters.eagle.config:EagleConfig",
+        module="vllm_moa.drafters.eagle.model:EagleDrafter",
+        proposer="vllm_moa.drafters.eagle.proposer:EagleProposer",
+        method="vllm_moa.drafters.eagle.method:EagleMethod",
     ),
     DrafterKind(
         name="independent",

@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_moa.drafters.eagle.config import EagleConfig
 from vllm_moa.drafters.moa.config import MoAConfig
-from vllm_moa.model.baselines import EagleConfig, IndependentConfig
+from vllm_moa.model.baselines import IndependentConfig
 from vllm_moa.model.config import DrafterConfig, TargetShape
 
 PRESETS = ("paper", "small")

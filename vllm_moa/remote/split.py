@@ -26,10 +26,10 @@ from vllm_moa.checkpoint.io import WEIGHTS_NAME, drafter_dir_of
 from vllm_moa.decoding.factory import make_proposer
 from vllm_moa.decoding.proposer import Proposer
 from vllm_moa.drafters import kind_of
+from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput, split_kv
-from vllm_moa.model.baselines import EagleDrafter
 
 
 def fingerprint(drafter_dir: str | Path) -> bytes:
