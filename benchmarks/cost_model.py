@@ -95,8 +95,8 @@ def build_target(shape: Shape, device: str, dtype: torch.dtype) -> Any:
 
 def build_drafters(target: Any, device: str, dtype: torch.dtype) -> dict[str, nn.Module]:
     from vllm_moa.drafters.eagle.model import EagleDrafter
+    from vllm_moa.drafters.independent.model import IndependentDrafter
     from vllm_moa.drafters.moa.model import MoADrafter
-    from vllm_moa.model.baselines import IndependentDrafter
     from vllm_moa.model.presets import (
         TargetInfo,
         make_config,

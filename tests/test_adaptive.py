@@ -266,7 +266,7 @@ class InStepEngine(SpeculativeEngine):
 def _proposer(kind, target):
     from vllm_moa.decoding import make_proposer
     from vllm_moa.drafters.eagle.model import EagleDrafter
-    from vllm_moa.model.baselines import IndependentDrafter
+    from vllm_moa.drafters.independent.model import IndependentDrafter
     from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 
     if kind.startswith("moa"):

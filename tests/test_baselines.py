@@ -6,19 +6,20 @@ import pytest
 import torch
 from conftest import make_hf_model
 
-from vllm_moa.decoding import IndependentProposer, SpeculativeEngine, make_proposer
+from vllm_moa.decoding import SpeculativeEngine, make_proposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.method import EagleMethod
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle.proposer import EagleProposer
+from vllm_moa.drafters.independent.method import IndependentMethod
+from vllm_moa.drafters.independent.model import IndependentDrafter
+from vllm_moa.drafters.independent.proposer import IndependentProposer
 from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.baselines import IndependentDrafter
 from vllm_moa.model.masks import bounded_memory_limits
 from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl
-from vllm_moa.training.methods import IndependentMethod
 
 VOCAB = 12  # small, so random drafts are often right and every acceptance path runs
 PROMPTS = [[1, 5, 3], [7] * 9, list(range(12)) * 2]

@@ -21,9 +21,9 @@ from vllm_moa.checkpoint import save_drafter
 from vllm_moa.decoding import SamplingParams, SpeculativeEngine
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.hf_target.adapter import TreeInput
-from vllm_moa.model.baselines import IndependentDrafter
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 from vllm_moa.remote import protocol

@@ -9,9 +9,9 @@ from torch import nn
 
 from benchmarks.testbed.presets import DEFAULT_MOA_REFRESH, TestbedConfig
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.model import MoADrafter
-from vllm_moa.model.baselines import IndependentDrafter
 from vllm_moa.model.layers import count_parameters
 from vllm_moa.model.presets import (
     TargetInfo,

@@ -36,8 +36,8 @@ from torch import nn
 
 from vllm_moa.checkpoint.io import load_drafter, save_drafter
 from vllm_moa.drafters.eagle.config import EagleConfig
+from vllm_moa.drafters.independent.config import IndependentConfig
 from vllm_moa.drafters.moa.config import MoAConfig
-from vllm_moa.model.baselines import IndependentConfig
 
 SUPPORTED_TARGETS = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -1,6 +1,6 @@
-"""Standalone speculative decoding: sampling, verification, proposers and the engine."""
+"""Standalone speculative decoding: sampling, verification, the proposer protocol (each drafter
+kind's proposer: vllm_moa/drafters/KIND/proposer.py), the n-gram proposer and the engine."""
 
-from vllm_moa.decoding.baseline_proposers import IndependentProposer
 from vllm_moa.decoding.engine import GenerationResult, SpeculativeEngine
 from vllm_moa.decoding.factory import make_proposer
 from vllm_moa.decoding.ngram_proposer import NgramProposer
@@ -12,7 +12,6 @@ __all__ = [
     "DraftProposal",
     "GenerationResult",
     "GenerationStats",
-    "IndependentProposer",
     "NgramProposer",
     "Proposer",
     "SamplingParams",

@@ -64,10 +64,10 @@ KINDS: tuple[DrafterKind, ...] = (
     DrafterKind(
         name="independent",
         model_type="independent_drafter",
-        config="vllm_moa.model.baselines:IndependentConfig",
-        module="vllm_moa.model.baselines:IndependentDrafter",
-        proposer="vllm_moa.decoding.baseline_proposers:IndependentProposer",
-        method="vllm_moa.training.methods:IndependentMethod",
+        config="vllm_moa.drafters.independent.config:IndependentConfig",
+        module="vllm_moa.drafters.independent.model:IndependentDrafter",
+        proposer="vllm_moa.drafters.independent.proposer:IndependentProposer",
+        method="vllm_moa.drafters.independent.method:IndependentMethod",
     ),
 )
 BY_MODEL_TYPE = {k.model_type: k for k in KINDS}

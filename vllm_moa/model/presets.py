@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_moa.drafters.eagle.config import EagleConfig
+from vllm_moa.drafters.independent.config import IndependentConfig
 from vllm_moa.drafters.moa.config import MoAConfig
-from vllm_moa.model.baselines import IndependentConfig
 from vllm_moa.model.config import DrafterConfig, TargetShape
 
 PRESETS = ("paper", "small")

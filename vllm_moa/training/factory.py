@@ -9,10 +9,10 @@ from torch import nn
 from vllm_moa.checkpoint import load_drafter, save_drafter
 from vllm_moa.drafters import kind_of
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.hf_target.info import load_target_info
-from vllm_moa.model.baselines import IndependentDrafter
 from vllm_moa.model.presets import make_config, make_eagle_config, make_independent_config
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.methods import DraftMethod

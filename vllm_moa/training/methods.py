@@ -1,4 +1,5 @@
-"""What each drafter method computes on a training batch: draft logits and predicted features.
+"""What every drafter kind's training method shares (each kind's own method:
+vllm_moa/drafters/KIND/method.py): it computes draft logits and predicted features on a batch.
 
 A method turns (batch, the frozen target's outputs on it, per-query memory limits) into a
 `DraftForward`; the trainer turns that into the loss. Memory limits express staleness: a query at
@@ -15,7 +16,6 @@ import torch
 from torch import nn
 
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
-from vllm_moa.model.baselines import IndependentDrafter
 from vllm_moa.model.config import DrafterConfig
 from vllm_moa.training.data import Batch
 
@@ -60,23 +60,3 @@ class Method(Generic[D]):
         self.module: nn.Module = drafter
         self.target = target
         self.noise = feature_noise
-
-
-class IndependentMethod(Method[IndependentDrafter]):
-    """A small LM over the target's embeddings and LM head, distilled with the KL term only."""
-
-    hidden_layers: tuple[int, ...] = ()
-    k_bounded = False
-
-    def forward(
-        self,
-        batch: Batch,
-        target_out: TargetOutput,
-        memory_limit: torch.Tensor,
-        sa_from: torch.Tensor | None,
-        gen: torch.Generator | None = None,
-    ) -> DraftForward:
-        dtype = self.drafter.norm.weight.dtype
-        embeds = self.target.embed_tokens(batch.input_ids.to(self.target.device)).to(dtype)
-        hidden = self.module(embeds)
-        return DraftForward(self.target.lm_head(hidden.to(self.target.dtype)).float(), [])

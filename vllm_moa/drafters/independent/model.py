@@ -1,27 +1,17 @@
-"""The independent drafter, a baseline trained in the same framework as MoA (MOA_SPEC
-"Baselines"): a small causal LM over the target's token embeddings with a final norm, read by the
-target's LM head; it never sees target activations.
-"""
+"""The independent drafter: `num_layers` causal decoder layers over the target's token
+embeddings with a final norm."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar, cast
+from typing import cast
 
 import torch
 from torch import nn
 
-from vllm_moa.drafters.token_layers import TokenLayerConfig, random_init
+from vllm_moa.drafters.independent.config import IndependentConfig
+from vllm_moa.drafters.token_layers import random_init
 from vllm_moa.model.layers import DecoderBlock, RMSNorm
 from vllm_moa.model.masks import causal_mask
-
-
-@dataclass(frozen=True)
-class IndependentConfig(TokenLayerConfig):
-    MODEL_TYPE: ClassVar[str] = "independent_drafter"
-    ARCHITECTURE: ClassVar[str] = "IndependentDrafter"
-
-    num_layers: int = 2
 
 
 class IndependentDrafter(nn.Module):

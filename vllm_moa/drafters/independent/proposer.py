@@ -1,4 +1,4 @@
-"""Incremental drafting with the independent drafter, one sequence."""
+"""Incremental drafting with the independent drafter for one sequence, chains and EAGLE-2 trees."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from vllm_moa.decoding.proposer import DraftProposal, check_catch_up, draft_toke
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.decoding.tree_search import NodeKV, TreeSearch
+from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
-from vllm_moa.model.baselines import IndependentDrafter
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.masks import causal_mask
 

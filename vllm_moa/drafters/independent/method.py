@@ -1,0 +1,30 @@
+"""The independent drafter's training forward: the target's LM head on its output, no features."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_moa.drafters.independent.model import IndependentDrafter
+from vllm_moa.hf_target.adapter import TargetOutput
+from vllm_moa.training.data import Batch
+from vllm_moa.training.methods import DraftForward, Method
+
+
+class IndependentMethod(Method[IndependentDrafter]):
+    """A small LM over the target's embeddings and LM head, distilled with the KL term only."""
+
+    hidden_layers: tuple[int, ...] = ()
+    k_bounded = False
+
+    def forward(
+        self,
+        batch: Batch,
+        target_out: TargetOutput,
+        memory_limit: torch.Tensor,
+        sa_from: torch.Tensor | None,
+        gen: torch.Generator | None = None,
+    ) -> DraftForward:
+        dtype = self.drafter.norm.weight.dtype
+        embeds = self.target.embed_tokens(batch.input_ids.to(self.target.device)).to(dtype)
+        hidden = self.module(embeds)
+        return DraftForward(self.target.lm_head(hidden.to(self.target.dtype)).float(), [])
