@@ -18,7 +18,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 # What builds the cached pair: a change to any of it (or another torch) builds a new one.
 PAIR_SOURCES = ("tests/vllm_integration/conftest.py", "vllm_moa/tiny.py", "vllm_moa/model",
-                "vllm_moa/training", "vllm_moa/checkpoint", "vllm_moa/hf_target")  # fmt: skip
+                "vllm_moa/drafters", "vllm_moa/training", "vllm_moa/checkpoint",
+                "vllm_moa/hf_target")  # fmt: skip
 
 
 def pair_key() -> str:

@@ -1,13 +1,14 @@
 """The drafter kinds, registered once.
 
-Each kind names its config and module classes (checkpoints), its standalone proposer
-(decoding, trees included) and its training method. Checkpoint loading and validation, the
-proposer and training factories, the client-server split, `train --method` and the vLLM plugin
-all read this table. Classes are named by import path and loaded on first use, so this module
-imports no other part of the package and any of them can read it without an import cycle (as
-vLLM's model registry does).
+Each kind is one folder with the same files: vllm_moa/drafters/KIND/config.py (its config),
+model.py (its module), proposer.py (its standalone proposer, trees included) and method.py (its
+training method); token_layers.py holds what the two baselines share. This table names each
+kind's classes. Checkpoint loading and validation, the proposer and training factories, the
+client-server split, `train --method` and the vLLM plugin all read it. Classes are named by import
+path and loaded on first use, so this module imports no other part of the package and any of
+them can read it without an import cycle (as vLLM's model registry does).
 
-Adding a kind: its classes, then one `DrafterKind` below.
+Adding a kind: its folder, then one `DrafterKind` below.
 """
 
 from __future__ import annotations
