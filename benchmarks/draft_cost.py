@@ -6,14 +6,16 @@
 Without --drafter / --eagle, randomly initialised drafters (MoA `small` TLI=0, EAGLE `small`)
 are built for the target, so that both accept about nothing (tau ~ 1) and run the same number of
 draft steps: the comparison is then of drafting cost alone. One in-process engine per method
-(plain, moa, eagle: vLLM's own method on our exported EAGLE), one at a time, in vLLM's default
+(plain, moa, eagle: vLLM's own method on our exported EAGLE), in vLLM's default
 mode (compiled target; `--enforce-eager` for eager), prefix caching off,
 the target's maximum length raised to fit the longest prompt (a copy of its config.json beside
 links to its weights). Per prompt length and round: `--batch` requests of random token ids,
 generated once with `--short` and once with `--long` new tokens (ignore_eos, greedy, fresh
 prompts each time); the difference of the two cancels the prefill, leaving the steady-state
 decode cost: wall time and the time spent in the model runner's `propose_draft_token_ids`
-(timed around it), each per generated token. Medians over rounds. Writes JSON + PNG.
+(timed around it), each per generated token. All engines live in one process and take turns
+on the same prompts within a round (alternate order each round); medians over rounds, and MoA /
+EAGLE as the median of per-round ratios. Writes JSON + PNG.
 """
 
 from __future__ import annotations
@@ -104,7 +106,10 @@ def generate(
     return time.perf_counter() - start, PROPOSE_SECONDS[0], tokens
 
 
-def measure(engine: Any, args: argparse.Namespace, vocab: int, method: str) -> list[dict[str, Any]]:
+def measure(engines: dict[str, Any], args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """Rows per method and prompt length. Each round runs every engine on the same prompts, in
+    alternate order from round to round, so that drift on the machine hits all methods alike;
+    MoA / EAGLE is the median of the per-round ratios."""
     import torch
 
     gen = torch.Generator().manual_seed(1234)
@@ -114,23 +119,36 @@ def measure(engine: Any, args: argparse.Namespace, vocab: int, method: str) -> l
 
     rows = []
     for length in args.prompt_lens:
-        generate(engine, prompts(length), args.short, f"warm-{length}")
-        wall, prop = [], []
+        for method, engine in engines.items():
+            generate(engine, prompts(length), args.short, f"warm-{method}-{length}")
+        wall: dict[str, list[float]] = {m: [] for m in engines}
+        prop: dict[str, list[float]] = {m: [] for m in engines}
         for r in range(args.rounds):
-            w_s, p_s, t_s = generate(engine, prompts(length), args.short, f"s{length}-{r}")
-            w_l, p_l, t_l = generate(engine, prompts(length), args.long, f"l{length}-{r}")
-            wall.append((w_l - w_s) / (t_l - t_s))
-            prop.append((p_l - p_s) / (t_l - t_s))
-        row = {
-            "method": method,
-            "prompt_tokens": length,
-            "wall_ms_per_token": 1e3 * statistics.median(wall),
-            "propose_ms_per_token": 1e3 * statistics.median(prop),
-            "wall_ms_per_token_rounds": [1e3 * w for w in wall],
-            "propose_ms_per_token_rounds": [1e3 * p for p in prop],
-        }
-        print(json.dumps({k: v for k, v in row.items() if not k.endswith("rounds")}), flush=True)
-        rows.append(row)
+            short, long = prompts(length), prompts(length)
+            order = list(engines) if r % 2 == 0 else list(reversed(engines))
+            for method in order:
+                engine = engines[method]
+                w_s, p_s, t_s = generate(engine, short, args.short, f"s{length}-{r}")
+                w_l, p_l, t_l = generate(engine, long, args.long, f"l{length}-{r}")
+                wall[method].append((w_l - w_s) / (t_l - t_s))
+                prop[method].append((p_l - p_s) / (t_l - t_s))
+        for method in engines:
+            row: dict[str, Any] = {
+                "method": method,
+                "prompt_tokens": length,
+                "wall_ms_per_token": 1e3 * statistics.median(wall[method]),
+                "propose_ms_per_token": 1e3 * statistics.median(prop[method]),
+                "wall_ms_per_token_rounds": [1e3 * w for w in wall[method]],
+                "propose_ms_per_token_rounds": [1e3 * p for p in prop[method]],
+            }
+            if method == "moa" and "eagle" in engines:
+                ratios = [m / e for m, e in zip(prop["moa"], prop["eagle"], strict=True) if e > 0]
+                row["propose_vs_eagle_rounds"] = ratios
+                row["propose_vs_eagle"] = statistics.median(ratios)
+            print(
+                json.dumps({k: v for k, v in row.items() if not k.endswith("rounds")}), flush=True
+            )
+            rows.append(row)
     return rows
 
 
@@ -176,7 +194,13 @@ def main() -> None:
     p.add_argument("--short", type=int, default=8)
     p.add_argument("--long", type=int, default=40)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--methods", nargs="+", default=["plain", "moa", "eagle"])
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=["plain", "moa", "eagle"],
+        choices=["plain", "moa", "moa_eager", "eagle"],
+        help="moa_eager: MoA with its proposer not compiled (as with --enforce-eager)",
+    )
     p.add_argument(
         "--enforce-eager", action="store_true", help="eager target (default: compiled, as served)"
     )
@@ -201,21 +225,24 @@ def main() -> None:
         },
     }
     vocab = int(json.loads((Path(args.target) / "config.json").read_text())["vocab_size"])
-    rows: list[dict[str, Any]] = []
+    specs["moa_eager"] = specs["moa"]  # MoA with its proposer not compiled (VLLM_MOA_COMPILE=0)
+    engines = {}
+    given = os.environ.get("VLLM_MOA_COMPILE")
     for method in args.methods:
-        engine, _ = make_engine(
+        if method == "moa_eager":
+            os.environ["VLLM_MOA_COMPILE"] = "0"  # read when the proposer loads
+        engines[method], _ = make_engine(
             target, specs[method], args.batch, "float32", args.enforce_eager,
             max_model_len=max_len, enable_prefix_caching=False,
         )  # fmt: skip
-        time_proposer()
-        rows += measure(engine, args, vocab, method)
-        del engine
-        gc.collect()
-    by = {(r["method"], r["prompt_tokens"]): r for r in rows}
-    for r in rows:
-        eagle_row = by.get(("eagle", r["prompt_tokens"]))
-        if r["method"] == "moa" and eagle_row and eagle_row["propose_ms_per_token"] > 0:
-            r["propose_vs_eagle"] = r["propose_ms_per_token"] / eagle_row["propose_ms_per_token"]
+        if given is None:
+            os.environ.pop("VLLM_MOA_COMPILE", None)
+        else:
+            os.environ["VLLM_MOA_COMPILE"] = given
+    time_proposer()
+    rows = measure(engines, args, vocab)
+    del engines
+    gc.collect()
     out = Path(args.out)
     config = {**vars(args), "drafter": moa, "eagle": eagle, "random_drafters": args.drafter is None}
     save_json(out, "draft_cost", {"config": config, "vllm": vllm.__version__, "results": rows})

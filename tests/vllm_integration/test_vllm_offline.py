@@ -32,10 +32,12 @@ PROMPTS = [
 ]
 
 
-@pytest.mark.parametrize("tli", [0, 1])
-def test_drafts_equal_standalone_engine(moa_pair, tmp_path, monkeypatch, tli):
+@pytest.mark.parametrize("tli,compiled", [(0, False), (1, False), (0, True)])
+def test_drafts_equal_standalone_engine(moa_pair, tmp_path, monkeypatch, tli, compiled):
     """Same target and drafter weights: every chain vLLM drafts equals the standalone engine's
-    at the same context, and both visit the same contexts (so acceptance matches too)."""
+    at the same context, and both visit the same contexts (so acceptance matches too). Also
+    with the proposer compiled (vllm_plugin/compiled.py) beside an eager target."""
+    monkeypatch.setenv("VLLM_MOA_COMPILE", "1" if compiled else "0")
     llm = check_drafts_equal_standalone(
         moa_pair["target"], moa_pair[f"tli{tli}"], PROMPTS[:6], tmp_path, monkeypatch
     )

@@ -148,6 +148,8 @@ class CpuPagedKV:
         key, value = page_views(cache, num_kv_heads, head_dim)
         return cls(key, value, _get_attn_isa(dtype, cache.shape[2], head_dim, "auto"))
 
+    # vLLM's CPU ops have no fake kernels: compiled callers run them eagerly (a graph break).
+    @torch.compiler.disable
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         from vllm import _custom_ops as ops
 
@@ -160,6 +162,7 @@ class CpuPagedKV:
             self.isa,
         )
 
+    @torch.compiler.disable
     def attend(
         self,
         q: torch.Tensor,

@@ -71,3 +71,13 @@ class DrafterPages:
         """Field `name`'s K/V store in its (bound) page layer."""
         heads, size = self.fields[name]
         return pages_kv(self.layers[name].kv_cache, heads, size, dtype, backend)
+
+    def stand_in(
+        self, name: str, dtype: torch.dtype, backend: str, blocks: int, block_size: int
+    ) -> PagedKV:
+        """A store of field `name` like `store`'s, over a small buffer of its own (to warm up
+        compiled code before vLLM binds the caches)."""
+        heads, size = self.fields[name]
+        like = self.layers[name]
+        cache = torch.zeros(blocks, like.num_kv_heads, block_size, 2 * like.head_size, dtype=dtype)
+        return pages_kv(cache, heads, size, dtype, backend)

@@ -53,6 +53,7 @@ from vllm_moa.decoding.adaptive import (
     adaptive_enabled,
 )
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.vllm_plugin.compiled import Compiled, compile_wanted
 from vllm_moa.vllm_plugin.cpu_linear import dispatch_linears
 from vllm_moa.vllm_plugin.kv_reader import (
     CpuBlockLayout,
@@ -121,6 +122,12 @@ class MoAVllmProposer:
         self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
         self.lengths = AdaptiveLengths(self.num_speculative_tokens, StepCosts())
         self._chosen_logged = time.monotonic()
+        # The hot functions, compiled where vLLM compiles the target (compiled.py).
+        self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
+        self._page_rows: Callable[..., tuple[torch.Tensor, ...]] = page_rows
+        # Compiled, both see at least 2 rows (and block tables at least 2 wide): sizes 0 and 1
+        # would each compile graphs of their own.
+        self._min_rows = 1
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -159,13 +166,49 @@ class MoAVllmProposer:
             like=target.attn_layers[0],
             vllm_config=self.vllm_config,
         )
+        compiled = compile_wanted(self.vllm_config)
+        if compiled:
+            began = time.perf_counter()
+            self._compile()
+            logger.info("MoA drafter compiled in %.1f s", time.perf_counter() - began)
         logger.info(
-            "MoA drafter %s loaded: TLI=%d, K=%d, backend %s",
+            "MoA drafter %s loaded: TLI=%d, K=%d, backend %s, %s",
             spec.model,
             drafter.config.tli,
             self.num_speculative_tokens,
             target.attn_layers[0].attn_backend.get_name(),
+            "compiled" if compiled else "eager",
         )
+
+    @torch.inference_mode()
+    def _compile(self) -> None:
+        """Compile the draft step and the page-row function and warm both up on stand-in pages.
+        Dynamic shapes and at least 2 rows (`pad_rows`): every batch reuses these graphs."""
+        drafter, target, pages = self.drafter, self.target, self.pages
+        assert drafter is not None and target is not None and pages is not None
+        backend = target.attn_layers[0].attn_backend.get_name()
+        block_size = int(self.vllm_config.cache_config.block_size)
+        stores = {
+            name: pages.stand_in(name, drafter.dtype, backend, 8, block_size)
+            for name in pages.fields
+        }
+        device, shape, n = self.device, target.shape, 3
+        positions = torch.arange(5, 5 + 7 * n, 7, device=device)
+        table = torch.arange(2, 2 + 2 * n, dtype=torch.int32, device=device).view(n, 2)
+        step, rows = Compiled(paged_draft_step), Compiled(page_rows)
+        step.warm(
+            drafter, target.embed, stores, table, block_size,
+            torch.ones(n, dtype=torch.long, device=device), positions,
+            positions + self.num_speculative_tokens, positions.to(torch.int32),
+            torch.ones(n, 1, 1, dtype=torch.long, device=device),
+        )  # fmt: skip
+        layer_kv = torch.zeros(
+            n, shape.num_layers, 2 * shape.num_kv_heads * shape.head_dim,
+            dtype=drafter.dtype, device=device,
+        )  # fmt: skip
+        embeds = torch.zeros(n, shape.hidden_size, dtype=drafter.dtype, device=device)
+        rows.warm(drafter, embeds, layer_kv, positions)
+        self._draft_step, self._page_rows, self._min_rows = step, rows, 2
 
     def _groups(self, runner: Any, names: list[str]) -> list[tuple[int, int]]:
         """(KV-cache group, scheduler block size) of each named layer."""
@@ -391,13 +434,17 @@ class MoAVllmProposer:
         slots = self._span_slots(self._page_key(runner), block_ids, spans)
         positions = upload(torch.cat([torch.arange(a, b) for a, b in spans]), self.device)
         ids = upload([t for i in todo for t in pending[i][:-1]], self.device)
-        # SA: K/V of a position depend on its token only.
-        k, v = drafter.self_attention.kv_from(target.embed(ids).to(drafter.dtype)[None], positions)
-        stores["sa"].write(k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
-        layer_kv_rows = self._read_layer_kv(runner, block_ids, spans)
-        memory = drafter.encode_memory(layer_kv_rows.to(drafter.dtype))  # [N, E]
-        k, v = drafter.memory_kv(memory[None], positions)
-        stores["memory"].write(k[0].transpose(0, 1), v[0].transpose(0, 1), slots)
+        layer_kv = self._read_layer_kv(runner, block_ids, spans).to(drafter.dtype)
+        embeds = target.embed(ids).to(drafter.dtype)
+        n = len(slots)
+        sa_k, sa_v, memory_k, memory_v = (
+            x[:n]
+            for x in self._page_rows(
+                drafter, *pad_rows(self._min_rows, embeds, layer_kv, positions)
+            )
+        )
+        stores["sa"].write(sa_k, sa_v, slots)
+        stores["memory"].write(memory_k, memory_v, slots)
         for i, (_, end) in zip(todo, spans, strict=True):
             states[i].written = end
 
@@ -457,12 +504,14 @@ class MoAVllmProposer:
         ends = upload([n + b for n, b in zip(verified, budgets, strict=True)], self.device)
         tokens = upload([p[-1] for p in pending], self.device)
 
+        n = len(rows)
+        padded = pad_rows(self._min_rows, table, memory_lens, has_memory)
         drafted: list[torch.Tensor] = []
         for step in range(max(budgets)):
-            h = paged_draft_step(
-                drafter, target.embed, stores, table, block_size, tokens, positions, ends,
-                memory_lens, has_memory,
-            )  # fmt: skip
+            h = self._draft_step(
+                drafter, target.embed, stores, *padded[:1], block_size,
+                *pad_rows(self._min_rows, tokens, positions, ends), *padded[1:],
+            )[:n]  # fmt: skip
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
             if tli:
@@ -537,6 +586,43 @@ def draft_slots(
     index = (positions // block_size)[:, None].clamp(max=table.shape[1] - 1)
     slot = table.gather(1, index)[:, 0].long() * block_size + positions % block_size
     return torch.where(positions < ends, slot, PADDING_SLOT)
+
+
+def page_rows(
+    drafter: MoADrafter,
+    token_embeds: torch.Tensor,  # [N, E]: the verified tokens' target embeddings
+    layer_kv: torch.Tensor,  # [N, L, 2 * E_kv]: their target K|V of every layer
+    positions: torch.Tensor,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The page rows of verified tokens: SA K, V (they depend on the token and position only)
+    and CA memory K, V (LSA + mean + Ekv2E, then CA's K/V projection), each [N, Hkv, D]."""
+    sa_k, sa_v = drafter.self_attention.kv_from(token_embeds[None], positions)
+    memory = drafter.encode_memory(layer_kv)  # [N, E]
+    memory_k, memory_v = drafter.memory_kv(memory[None], positions)
+    return (
+        sa_k[0].transpose(0, 1),
+        sa_v[0].transpose(0, 1),
+        memory_k[0].transpose(0, 1),
+        memory_v[0].transpose(0, 1),
+    )
+
+
+def pad_rows(rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors with zero rows appended up to `rows`; a block table [B, n] (int32) is also
+    widened to n >= rows with block 0. A zero row drafts nothing: its position 0 is past its end
+    (no slot is written) and it attends to position 0 of block 0, vLLM's null block (its output
+    is dropped), and memory_lens / seq_lens of zero rows are raised to 1."""
+    out = []
+    for t in tensors:
+        if t.shape[0] < rows:
+            pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
+            if t.dtype == torch.int32 and t.dim() == 1:  # memory_lens: >= 1
+                pad += 1
+            t = torch.cat([t, pad])
+        if t.dtype == torch.int32 and t.dim() == 2 and t.shape[1] < rows:  # a block table
+            t = torch.cat([t, t.new_zeros((t.shape[0], rows - t.shape[1]))], dim=1)
+        out.append(t)
+    return tuple(out)
 
 
 def paged_draft_step(

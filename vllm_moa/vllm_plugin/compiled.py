@@ -1,0 +1,60 @@
+"""The proposer's hot functions under torch.compile, as vLLM compiles the target.
+
+A draft step on a decode batch is dozens of small ops (norms, rotary embeddings, residuals,
+SwiGLU) around a few GEMMs and two paged-attention calls: run eagerly, per-op overhead dominates
+it. Compiled with Inductor, the ops between the attention calls fuse. vLLM's CPU attention ops
+have no fake kernels, so `CpuPagedKV` marks its calls `torch.compiler.disable`: the step then
+compiles as a few graphs split at attention, as vLLM splits its own piecewise graphs; with the
+PyTorch paged reference (GPU page layouts today) it is one graph.
+
+On by default wherever vLLM compiles the target (`--enforce-eager` turns both off);
+`VLLM_MOA_COMPILE=0` keeps the proposer eager, `1` compiles it even with an eager target.
+Shapes are dynamic (one graph for every batch size from 2, one for batch 1), warmed up at load
+time so that no request waits for a compile.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, Generic, ParamSpec, TypeVar
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+COMPILE_ENV = "VLLM_MOA_COMPILE"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def compile_wanted(vllm_config: Any) -> bool:
+    """Whether the proposer compiles: `VLLM_MOA_COMPILE` if set (1 / 0), else whether vLLM
+    compiles the target (its compilation mode is not NONE, e.g. no `--enforce-eager`)."""
+    mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
+    if mode in ("1", "on", "true", "yes"):
+        return True
+    if mode in ("0", "off", "false", "no"):
+        return False
+    if mode != "auto":
+        raise ValueError(f"{COMPILE_ENV}={mode!r}: use auto, 1 or 0")
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return False
+    return int(getattr(vllm_config.compilation_config, "mode", 0) or 0) != 0
+
+
+class Compiled(Generic[P, R]):
+    """`fn` under torch.compile with dynamic shapes; `warm` compiles it for some arguments."""
+
+    def __init__(self, fn: Callable[P, R]) -> None:
+        self.fn = fn
+        self._compiled = torch.compile(fn, dynamic=True)
+
+    def warm(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        # Without duck shaping, a size that happens to equal another one while tracing (a batch
+        # of 2 and 2 heads) does not become a guard that recompiles at every other batch size.
+        with fx_config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
+            return self._compiled(*args, **kwargs)
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        return self._compiled(*args, **kwargs)
