@@ -71,6 +71,12 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
     elif kind == "remote_disconnect":
         for r in rows:
             out[f"{_remote_name(r)}@{r['after']}"] = _num(r["agreement"])
+    elif kind == "draft_cost":
+        for r in rows:
+            if r["method"] != "plain":
+                out[f"{r['method']}@{r['prompt_tokens']}"] = _num(r["propose_ms_per_token"])
+            if "propose_vs_eagle" in r:
+                out[f"moa/eagle@{r['prompt_tokens']}"] = _num(r["propose_vs_eagle"])
     elif kind == "testbed":
         for method, r in rows.items():
             for k, v in r.items() if method != "plain" else []:
@@ -192,7 +198,26 @@ def _remote_disconnect(data: dict[str, Any]) -> Iterator[list[Any]]:
                f"{r['common_prefix']:.1f}"]  # fmt: skip
 
 
+def _draft_cost(data: dict[str, Any]) -> Iterator[list[Any]]:
+    rows = data["results"]
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
+    by = {(r["method"], r["prompt_tokens"]): r for r in rows}
+    names = {"moa": "MoA", "moa_eager": "MoA eager", "eagle": "vLLM EAGLE"}
+    wall = "wall ms/token: " + " / ".join(["plain", *(names.get(m, m) for m in methods)])
+    yield ["prompt tokens", *(f"{names.get(m, m)} drafting ms/token" for m in methods),
+           "MoA / EAGLE (median of rounds)", wall]  # fmt: skip
+    for length in dict.fromkeys(r["prompt_tokens"] for r in rows):
+        moa = by.get(("moa", length), {})
+        ratio = f"{moa['propose_vs_eagle']:.2f}" if "propose_vs_eagle" in moa else ""
+        walls = [
+            by[(m, length)]["wall_ms_per_token"] for m in ["plain", *methods] if (m, length) in by
+        ]
+        yield [length, *(f"{by[(m, length)]['propose_ms_per_token']:.2f}" for m in methods), ratio,
+               " / ".join(f"{w:.2f}" for w in walls)]  # fmt: skip
+
+
 TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
+    "draft_cost": _draft_cost,
     "throughput": _throughput,
     "serve_sweep": _serve_sweep,
     "standalone_adaptive": _standalone,
