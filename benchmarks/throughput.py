@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_moa.decoding.adaptive import ADAPTIVE_ENV
+from vllm_moa.vllm_plugin.compiled import COMPILE_ENV
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -244,6 +245,10 @@ def main() -> None:
         "--adaptive", default="both", choices=["both", "on", "off"],
         help="MoA with adaptive speculation length, with the fixed K, or both (one engine each)",
     )  # fmt: skip
+    p.add_argument(
+        "--eager-proposer", action="store_true",
+        help="also each MoA arm with its proposer not compiled (VLLM_MOA_COMPILE=0)",
+    )  # fmt: skip
     args = p.parse_args()
 
     import vllm
@@ -267,6 +272,12 @@ def main() -> None:
                 name = f"{label}_k{k}" + ("_adaptive" if adaptive else "")
                 os.environ[ADAPTIVE_ENV] = "1" if adaptive else "0"  # read when the engine starts
                 engines[name] = make_engine(args.target, spec, top, args.dtype, eager)
+                if method == "moa" and args.eager_proposer:
+                    os.environ[COMPILE_ENV] = "0"
+                    engines[f"{name}_eager_proposer"] = make_engine(
+                        args.target, spec, top, args.dtype, eager
+                    )
+                    del os.environ[COMPILE_ENV]
         if args.ngram:
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
             engines[f"ngram_k{k}"] = make_engine(args.target, spec, top, args.dtype, eager)

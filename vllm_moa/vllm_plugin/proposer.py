@@ -125,9 +125,9 @@ class MoAVllmProposer:
         # The hot functions, compiled where vLLM compiles the target (compiled.py).
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
         self._page_rows: Callable[..., tuple[torch.Tensor, ...]] = page_rows
-        # Compiled, both see at least 2 rows (and block tables at least 2 wide): sizes 0 and 1
-        # would each compile graphs of their own.
-        self._min_rows = 1
+        # Compiled, block tables are widened to 2 columns at least (`widen`): a width of 1
+        # would compile graphs of its own.
+        self._min_width = 1
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -182,8 +182,10 @@ class MoAVllmProposer:
 
     @torch.inference_mode()
     def _compile(self) -> None:
-        """Compile the draft step and the page-row function and warm both up on stand-in pages.
-        Dynamic shapes and at least 2 rows (`pad_rows`): every batch reuses these graphs."""
+        """Compile the draft step and the page-row function and warm both up on stand-in pages,
+        for one row and for several: dynamic shapes, so every batch reuses these graphs (one
+        row keeps graphs of its own, as PyTorch specialises size 1; padding it to two rows
+        instead costs more than it saves, e.g. oneDNN's GEMMs are slower for 2 rows than 1)."""
         drafter, target, pages = self.drafter, self.target, self.pages
         assert drafter is not None and target is not None and pages is not None
         backend = target.attn_layers[0].attn_backend.get_name()
@@ -192,23 +194,24 @@ class MoAVllmProposer:
             name: pages.stand_in(name, drafter.dtype, backend, 8, block_size)
             for name in pages.fields
         }
-        device, shape, n = self.device, target.shape, 3
-        positions = torch.arange(5, 5 + 7 * n, 7, device=device)
-        table = torch.arange(2, 2 + 2 * n, dtype=torch.int32, device=device).view(n, 2)
+        device, shape = self.device, target.shape
         step, rows = Compiled(paged_draft_step), Compiled(page_rows)
-        step.warm(
-            drafter, target.embed, stores, table, block_size,
-            torch.ones(n, dtype=torch.long, device=device), positions,
-            positions + self.num_speculative_tokens, positions.to(torch.int32),
-            torch.ones(n, 1, 1, dtype=torch.long, device=device),
-        )  # fmt: skip
-        layer_kv = torch.zeros(
-            n, shape.num_layers, 2 * shape.num_kv_heads * shape.head_dim,
-            dtype=drafter.dtype, device=device,
-        )  # fmt: skip
-        embeds = torch.zeros(n, shape.hidden_size, dtype=drafter.dtype, device=device)
-        rows.warm(drafter, embeds, layer_kv, positions)
-        self._draft_step, self._page_rows, self._min_rows = step, rows, 2
+        for n in (3, 1):
+            positions = torch.arange(5, 5 + 7 * n, 7, device=device)
+            table = torch.arange(2, 2 + 2 * n, dtype=torch.int32, device=device).view(n, 2)
+            step.warm(
+                drafter, target.embed, stores, table, block_size,
+                torch.ones(n, dtype=torch.long, device=device), positions,
+                positions + self.num_speculative_tokens, positions.to(torch.int32),
+                torch.ones(n, 1, 1, dtype=torch.long, device=device),
+            )  # fmt: skip
+            layer_kv = torch.zeros(
+                n, shape.num_layers, 2 * shape.num_kv_heads * shape.head_dim,
+                dtype=drafter.dtype, device=device,
+            )  # fmt: skip
+            embeds = torch.zeros(n, shape.hidden_size, dtype=drafter.dtype, device=device)
+            rows.warm(drafter, embeds, layer_kv, positions)
+        self._draft_step, self._page_rows, self._min_width = step, rows, 2
 
     def _groups(self, runner: Any, names: list[str]) -> list[tuple[int, int]]:
         """(KV-cache group, scheduler block size) of each named layer."""
@@ -436,13 +439,7 @@ class MoAVllmProposer:
         ids = upload([t for i in todo for t in pending[i][:-1]], self.device)
         layer_kv = self._read_layer_kv(runner, block_ids, spans).to(drafter.dtype)
         embeds = target.embed(ids).to(drafter.dtype)
-        n = len(slots)
-        sa_k, sa_v, memory_k, memory_v = (
-            x[:n]
-            for x in self._page_rows(
-                drafter, *pad_rows(self._min_rows, embeds, layer_kv, positions)
-            )
-        )
+        sa_k, sa_v, memory_k, memory_v = self._page_rows(drafter, embeds, layer_kv, positions)
         stores["sa"].write(sa_k, sa_v, slots)
         stores["memory"].write(memory_k, memory_v, slots)
         for i, (_, end) in zip(todo, spans, strict=True):
@@ -504,14 +501,13 @@ class MoAVllmProposer:
         ends = upload([n + b for n, b in zip(verified, budgets, strict=True)], self.device)
         tokens = upload([p[-1] for p in pending], self.device)
 
-        n = len(rows)
-        padded = pad_rows(self._min_rows, table, memory_lens, has_memory)
+        wide = widen(table, self._min_width)
         drafted: list[torch.Tensor] = []
         for step in range(max(budgets)):
             h = self._draft_step(
-                drafter, target.embed, stores, *padded[:1], block_size,
-                *pad_rows(self._min_rows, tokens, positions, ends), *padded[1:],
-            )[:n]  # fmt: skip
+                drafter, target.embed, stores, wide, block_size, tokens, positions, ends,
+                memory_lens, has_memory,
+            )  # fmt: skip
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
             if tli:
@@ -607,22 +603,12 @@ def page_rows(
     )
 
 
-def pad_rows(rows: int, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors with zero rows appended up to `rows`; a block table [B, n] (int32) is also
-    widened to n >= rows with block 0. A zero row drafts nothing: its position 0 is past its end
-    (no slot is written) and it attends to position 0 of block 0, vLLM's null block (its output
-    is dropped), and memory_lens / seq_lens of zero rows are raised to 1."""
-    out = []
-    for t in tensors:
-        if t.shape[0] < rows:
-            pad = t.new_zeros((rows - t.shape[0], *t.shape[1:]))
-            if t.dtype == torch.int32 and t.dim() == 1:  # memory_lens: >= 1
-                pad += 1
-            t = torch.cat([t, pad])
-        if t.dtype == torch.int32 and t.dim() == 2 and t.shape[1] < rows:  # a block table
-            t = torch.cat([t, t.new_zeros((t.shape[0], rows - t.shape[1]))], dim=1)
-        out.append(t)
-    return tuple(out)
+def widen(table: torch.Tensor, width: int) -> torch.Tensor:
+    """A block table [B, n] with columns of block 0 (vLLM's null block) appended up to `width`:
+    the same table for attention, which reads each row only up to its length."""
+    if table.shape[1] >= width:
+        return table
+    return torch.cat([table, table.new_zeros((table.shape[0], width - table.shape[1]))], dim=1)
 
 
 def paged_draft_step(

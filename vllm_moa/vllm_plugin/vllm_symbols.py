@@ -1,0 +1,958 @@
+"""The vLLM internals the plugin relies on, as found in vLLM 0.32.0's source.
+
+vllm_moa patches and reads vLLM's own code (patches.py, proposer.py and the modules they use), so
+a new vLLM release can break it without any import failing. `SYMBOLS` lists every vLLM module,
+class, function, method, property, dataclass field and attribute the package imports, calls,
+patches (assigns), subclasses or reads, with the file that defines it; a test checks a release's
+source for them (parsing the files, not importing vLLM). Nothing here imports vLLM.
+
+Each `Symbol`:
+- `path`: the defining file, relative to site-packages (`vllm/v1/worker/gpu_model_runner.py`).
+- `qualname`: the name inside that file (`GPUModelRunner.propose_draft_token_ids`), or
+  `<module>` for a module we import as a module.
+- `kind`: `module`, `class`, `function`, `method`, `staticmethod`, `classmethod`, `property`,
+  `dataclass-field` (a field declared in a (pydantic) dataclass body), `instance-attribute`
+  (assigned on instances at runtime, `self.x = ...`; in `__init__` unless a comment says where),
+  `module-attribute`, `enum-member`, or `re-export` (a name imported into a package's
+  `__init__.py` from where it is defined, which our import path needs).
+- `params`: the parameter names exactly as in the `def` (with `self`, `*args` / `**kwargs`
+  markers) where our code depends on the signature: we call it with keywords or positionally,
+  or patch it with a wrapper of the same parameters. None when only existence matters (we read
+  it, or wrap it with `*args, **kwargs` and pass everything through). A dataclass we construct
+  with keywords has one `dataclass-field` entry per keyword instead.
+- `used_by`: our module(s) that use it (patches.py's patch number where it is one); `indirect`
+  marks a vLLM symbol none of our code names but whose behaviour the plugin depends on (the
+  `custom_class` proposer branch, the plugin loading order, ...).
+
+Model-architecture attributes (`model.model.layers`, `layer.self_attn.attn`, ...) are read on
+whatever target vLLM serves (target_view.py); they are listed for Llama, the tests' main target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Symbol:
+    path: str
+    qualname: str
+    kind: str
+    params: tuple[str, ...] | None = None
+    used_by: str = ""
+
+
+SYMBOLS: tuple[Symbol, ...] = (
+    # -- vllm/__init__.py, vllm/_custom_ops.py, vllm/_version.py --------------------------------
+    Symbol("vllm/__init__.py", "<module>", "module", used_by="patches (version check)"),
+    Symbol("vllm/__init__.py", "__version__", "re-export", used_by="patches (version check)"),
+    Symbol("vllm/_custom_ops.py", "<module>", "module", used_by="kv_reader, paged_attention"),
+    Symbol(
+        "vllm/_custom_ops.py",
+        "cpu_attention_with_kv_cache",
+        "function",
+        (
+            "query",
+            "key_cache",
+            "value_cache",
+            "output",
+            "query_start_loc",
+            "seq_lens",
+            "scale",
+            "causal",
+            "alibi_slopes",
+            "sliding_window",
+            "block_table",
+            "softcap",
+            "scheduler_metadata",
+            "s_aux",
+            "dynamic_causal",
+            "k_scale",
+            "v_scale",
+            "kv_cache_dtype",
+        ),
+        used_by="paged_attention",
+    ),
+    Symbol(
+        "vllm/_custom_ops.py",
+        "cpu_attn_get_scheduler_metadata",
+        "function",
+        (
+            "num_reqs",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "seq_lens",
+            "dtype",
+            "query_start_loc",
+            "causal",
+            "sliding_window_size",
+            "isa",
+            "enable_kv_split",
+            "dynamic_causal",
+            "kv_cache_dtype",
+        ),
+        used_by="paged_attention",
+    ),
+    Symbol(
+        "vllm/_custom_ops.py",
+        "cpu_attn_reshape_and_cache",
+        "function",
+        (
+            "key",
+            "value",
+            "key_cache",
+            "value_cache",
+            "slot_mapping",
+            "isa",
+            "k_scale",
+            "v_scale",
+            "kv_cache_dtype",
+        ),
+        used_by="kv_reader, paged_attention",
+    ),
+    # Generated at build time; vllm/version.py imports it, vllm/__init__.py re-exports it.
+    Symbol("vllm/_version.py", "__version__", "module-attribute", used_by="patches"),
+    # -- vllm/config ----------------------------------------------------------------------------
+    Symbol("vllm/config/__init__.py", "set_current_vllm_config", "re-export", used_by="pages"),
+    Symbol("vllm/config/cache.py", "CacheConfig.block_size", "dataclass-field", used_by="proposer"),
+    Symbol(
+        "vllm/config/cache.py", "CacheConfig.cache_dtype", "dataclass-field", used_by="proposer"
+    ),
+    Symbol(
+        "vllm/config/compilation.py",
+        "CompilationConfig.mode",
+        "dataclass-field",
+        used_by="compiled",
+    ),
+    # compiled.py reads `int(mode) != 0` as "vLLM compiles the target".
+    Symbol("vllm/config/compilation.py", "CompilationMode.NONE", "enum-member", used_by="compiled"),
+    Symbol("vllm/config/model.py", "ModelConfig.dtype", "dataclass-field", used_by="proposer"),
+    Symbol(
+        "vllm/config/model.py", "ModelConfig.enforce_eager", "dataclass-field", used_by="compiled"
+    ),
+    # Declared with field(init=False), assigned in __post_init__.
+    Symbol(
+        "vllm/config/model.py",
+        "ModelConfig.hf_text_config",
+        "dataclass-field",
+        used_by="patches: 2, proposer",
+    ),
+    Symbol(
+        "vllm/config/model.py", "ModelConfig.max_model_len", "dataclass-field", used_by="proposer"
+    ),
+    Symbol("vllm/config/model.py", "ModelConfig.use_mla", "property", used_by="proposer"),
+    Symbol(
+        "vllm/config/parallel.py",
+        "ParallelConfig.pipeline_parallel_size",
+        "dataclass-field",
+        used_by="patches: 2, proposer",
+    ),
+    Symbol(
+        "vllm/config/parallel.py",
+        "ParallelConfig.tensor_parallel_size",
+        "dataclass-field",
+        used_by="patches: 2, proposer",
+    ),
+    Symbol("vllm/config/speculative.py", "<module>", "module", used_by="patches: 1"),
+    # Patch 1 extends its __dataclass_fields__ / __annotations__ and rebuilds it (pydantic).
+    Symbol("vllm/config/speculative.py", "SpeculativeConfig", "class", used_by="patches: 1, 2"),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.__post_init__",
+        "method",
+        ("self",),
+        used_by="patches: 2",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.__repr__",
+        "method",
+        ("self",),
+        used_by="patches: 2",
+    ),
+    # Its type (`SpeculativeMethod | None`) is read and extended with "moa"; patches 2 and 4
+    # set it to "custom_class" while vLLM validates the config and builds the runner.
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.method",
+        "dataclass-field",
+        used_by="patches: 1, 2, 4",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.model",
+        "dataclass-field",
+        used_by="patches: 2, 4, proposer",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.num_speculative_tokens",
+        "dataclass-field",
+        used_by="patches: 2, 5, proposer",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.num_speculative_tokens_per_batch_size",
+        "dataclass-field",
+        used_by="patches: 2, proposer",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.target_model_config",
+        "dataclass-field",
+        used_by="patches: 2",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.target_parallel_config",
+        "dataclass-field",
+        used_by="patches: 2",
+    ),
+    # The Literal must keep its "custom_class" value (the branch our proposer rides on).
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeMethod",
+        "module-attribute",
+        used_by="indirect: patches: 1, 2, 4 ('custom_class')",
+    ),
+    Symbol("vllm/config/vllm.py", "VllmConfig", "class", used_by="patches: 3, 5"),
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig._get_v2_model_runner_unsupported_features",
+        "method",
+        ("self",),
+        used_by="patches: 3",
+    ),
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig.cache_config",
+        "dataclass-field",
+        used_by="pages, proposer",
+    ),
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig.compilation_config",
+        "dataclass-field",
+        used_by="compiled",
+    ),
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig.model_config",
+        "dataclass-field",
+        used_by="compiled, proposer",
+    ),
+    # Read through VllmConfig.__dict__ (must be a property there) and replaced by one.
+    Symbol(
+        "vllm/config/vllm.py", "VllmConfig.num_lookahead_tokens", "property", used_by="patches: 5"
+    ),
+    Symbol(
+        "vllm/config/vllm.py", "VllmConfig.parallel_config", "dataclass-field", used_by="proposer"
+    ),
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig.speculative_config",
+        "dataclass-field",
+        used_by="patches: 3, 4, 5, proposer",
+    ),
+    Symbol(
+        "vllm/config/vllm.py",
+        "set_current_vllm_config",
+        "function",
+        ("vllm_config", "check_compile", "prefix"),
+        used_by="pages",
+    ),
+    # -- vllm/forward_context.py ---------------------------------------------------------------
+    Symbol(
+        "vllm/forward_context.py",
+        "set_forward_context",
+        "function",
+        (
+            "attn_metadata",
+            "vllm_config",
+            "num_tokens",
+            "num_tokens_across_dp",
+            "cudagraph_runtime_mode",
+            "batch_descriptor",
+            "ubatch_slices",
+            "slot_mapping",
+            "skip_compiled",
+            "is_padding",
+        ),
+        used_by="target_view",
+    ),
+    # -- vllm/model_executor --------------------------------------------------------------------
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention",
+        "class",
+        used_by="pages, target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.__init__",
+        "method",
+        (
+            "self",
+            "num_heads",
+            "head_size",
+            "scale",
+            "num_kv_heads",
+            "alibi_slopes",
+            "use_alibi_sqrt",
+            "cache_config",
+            "quant_config",
+            "logits_soft_cap",
+            "per_layer_sliding_window",
+            "prefix",
+            "attn_type",
+            "kv_sharing_target_layer_name",
+            "mm_prefix_clamp_sliding_window",
+            "attn_backend",
+            "head_size_v",
+            "**extra_impl_args",
+        ),
+        used_by="pages",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.attn_backend",
+        "instance-attribute",
+        used_by="pages, proposer",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.head_size",
+        "instance-attribute",
+        used_by="pages",
+    ),
+    # Bound to the layer's cache view by the runner once the KV caches are allocated.
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.kv_cache",
+        "instance-attribute",
+        used_by="pages, proposer",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.layer_name",
+        "instance-attribute",
+        used_by="pages, target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.num_heads",
+        "instance-attribute",
+        used_by="pages",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.num_kv_heads",
+        "instance-attribute",
+        used_by="pages",
+    ),
+    # Assigned (None) by pages.py after construction: full attention for the page layers.
+    Symbol(
+        "vllm/model_executor/layers/attention/attention.py",
+        "Attention.sliding_window",
+        "instance-attribute",
+        used_by="pages",
+    ),
+    # Llama's final norm is called as norm(hidden, residual) -> (out, residual).
+    Symbol(
+        "vllm/model_executor/layers/layernorm.py",
+        "RMSNorm.forward_native",
+        "method",
+        ("self", "x", "residual"),
+        used_by="target_view",
+    ),
+    # Sets layer.cpu_linear, which cpu_linear.py calls as cpu_linear(x, weight, bias).
+    Symbol(
+        "vllm/model_executor/layers/utils.py",
+        "dispatch_cpu_unquantized_gemm",
+        "function",
+        ("layer", "remove_weight"),
+        used_by="cpu_linear",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaAttention.attn",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaDecoderLayer.forward",
+        "method",
+        ("self", "positions", "hidden_states", "residual"),
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaDecoderLayer.self_attn",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaForCausalLM.compute_logits",
+        "method",
+        ("self", "hidden_states"),
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaForCausalLM.embed_input_ids",
+        "method",
+        ("self", "input_ids"),
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaForCausalLM.model",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    # Read only when the model has no embed_input_ids.
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaModel.embed_tokens",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaModel.layers",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaModel.norm",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    # -- vllm/platforms, vllm/plugins, vllm/utils -----------------------------------------------
+    # Registers cpu_triton_utils._expand_kernel_impl (looked up when called, after plugins load).
+    Symbol(
+        "vllm/platforms/cpu.py",
+        "CpuPlatform.register_triton_kernel_overrides",
+        "classmethod",
+        used_by="indirect: patches: 6a",
+    ),
+    # The entry-point group of pyproject.toml's `register` plugin.
+    Symbol(
+        "vllm/plugins/__init__.py",
+        "DEFAULT_PLUGINS_GROUP",
+        "module-attribute",
+        used_by="indirect: __init__ (register)",
+    ),
+    Symbol("vllm/utils/cpu_triton_utils.py", "<module>", "module", used_by="patches: 6a"),
+    Symbol(
+        "vllm/utils/cpu_triton_utils.py",
+        "_expand_kernel_impl",
+        "function",
+        ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS"),
+        used_by="patches: 6a",
+    ),
+    # -- vllm/v1/attention ----------------------------------------------------------------------
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "AttentionBackend.get_name",
+        "staticmethod",
+        (),
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "AttentionMetadataBuilder.build",
+        "method",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+        used_by="proposer",
+    ),
+    Symbol("vllm/v1/attention/backend.py", "CommonAttentionMetadata", "class", used_by="proposer"),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.block_table_tensor",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.max_query_len",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.max_seq_len",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.num_actual_tokens",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.num_reqs",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.positions",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.query_start_loc",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.query_start_loc_cpu",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.seq_lens",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backend.py",
+        "CommonAttentionMetadata.slot_mapping",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    # Assigned on the target's Attention layers (`layer.isa = self.isa`) by
+    # CPUAttentionMetadataBuilder._set_isa_to_layers, not in Attention.__init__.
+    Symbol(
+        "vllm/v1/attention/backends/cpu_attn.py",
+        "Attention.isa",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    # Returns "CPU_ATTN" (kv_reader.BLOCK_SPLIT_BACKENDS; proposer and pages_kv branch on it).
+    Symbol(
+        "vllm/v1/attention/backends/cpu_attn.py",
+        "CPUAttentionBackend.get_name",
+        "staticmethod",
+        (),
+        used_by="kv_reader, paged_attention, proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backends/cpu_attn.py",
+        "CPUAttentionMetadataBuilder.build",
+        "method",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/attention/backends/cpu_attn.py",
+        "_get_attn_isa",
+        "function",
+        ("dtype", "block_size", "head_size", "kv_cache_dtype"),
+        used_by="paged_attention",
+    ),
+    # Returns "FLASH_ATTN" (kv_reader.CHANNEL_SPLIT_BACKENDS).
+    Symbol(
+        "vllm/v1/attention/backends/flash_attn.py",
+        "FlashAttentionBackend.get_name",
+        "staticmethod",
+        (),
+        used_by="kv_reader",
+    ),
+    Symbol(
+        "vllm/v1/attention/backends/flash_attn.py",
+        "FlashAttentionMetadataBuilder.build",
+        "method",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+        used_by="proposer",
+    ),
+    # Returns "FLEX_ATTENTION" (kv_reader.CHANNEL_SPLIT_BACKENDS).
+    Symbol(
+        "vllm/v1/attention/backends/flex_attention.py",
+        "FlexAttentionBackend.get_name",
+        "staticmethod",
+        (),
+        used_by="kv_reader",
+    ),
+    Symbol(
+        "vllm/v1/attention/backends/flex_attention.py",
+        "FlexAttentionMetadataBuilder.build",
+        "method",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+        used_by="proposer",
+    ),
+    # Returns "TRITON_ATTN" (kv_reader.CHANNEL_SPLIT_BACKENDS).
+    Symbol(
+        "vllm/v1/attention/backends/triton_attn.py",
+        "TritonAttentionBackend.get_name",
+        "staticmethod",
+        (),
+        used_by="kv_reader",
+    ),
+    Symbol(
+        "vllm/v1/attention/backends/triton_attn.py",
+        "TritonAttentionMetadataBuilder.build",
+        "method",
+        ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
+        used_by="proposer",
+    ),
+    # -- vllm/v1/core, vllm/v1/kv_cache_interface.py --------------------------------------------
+    Symbol(
+        "vllm/v1/core/sched/output.py",
+        "SchedulerOutput.num_scheduled_tokens",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/core/sched/output.py",
+        "SchedulerOutput.scheduled_spec_decode_tokens",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/core/sched/output.py",
+        "SchedulerOutput.total_num_scheduled_tokens",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/kv_cache_interface.py",
+        "KVCacheConfig.kv_cache_groups",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/kv_cache_interface.py",
+        "KVCacheGroupSpec.kv_cache_spec",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/kv_cache_interface.py",
+        "KVCacheGroupSpec.layer_names",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/kv_cache_interface.py",
+        "KVCacheSpec.block_size",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    # -- vllm/v1/sample, vllm/v1/spec_decode ----------------------------------------------------
+    Symbol("vllm/v1/sample/ops/topk_topp_sampler.py", "<module>", "module", used_by="patches: 6b"),
+    # Called through the module global by its caller in the same module: the patch takes effect.
+    Symbol(
+        "vllm/v1/sample/ops/topk_topp_sampler.py",
+        "apply_top_k_only",
+        "function",
+        ("logits", "k"),
+        used_by="patches: 6b",
+    ),
+    # The custom_class branch: builds MoAVllmProposer(vllm_config), requires `propose`.
+    Symbol(
+        "vllm/v1/spec_decode/custom_class_proposer.py",
+        "create_custom_proposer",
+        "function",
+        used_by="indirect: patches: 4, proposer",
+    ),
+    Symbol(
+        "vllm/v1/spec_decode/dynamic/utils.py",
+        "validate_and_normalize_dynamic_sd_schedule",
+        "function",
+        ("num_speculative_tokens_per_batch_size",),
+        used_by="patches: 2",
+    ),
+    Symbol("vllm/v1/spec_decode/metadata.py", "SpecDecodeMetadata", "class", used_by="patches: 4"),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.bonus_logits_indices",
+        "dataclass-field",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.cu_num_draft_tokens",
+        "dataclass-field",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.cu_num_sampled_tokens",
+        "dataclass-field",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.draft_token_ids",
+        "dataclass-field",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.logits_indices",
+        "dataclass-field",
+        used_by="patches: 4",
+    ),
+    # Assigned in SpecDecodeMetadata.__post_init__.
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.max_spec_len",
+        "instance-attribute",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.num_draft_tokens",
+        "dataclass-field",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata.target_logits_indices",
+        "dataclass-field",
+        used_by="patches: 4",
+    ),
+    # -- vllm/v1/utils.py, vllm/v1/worker -------------------------------------------------------
+    Symbol("vllm/v1/utils.py", "CpuGpuBuffer.gpu", "instance-attribute", used_by="patches: 4"),
+    Symbol("vllm/v1/utils.py", "CpuGpuBuffer.np", "instance-attribute", used_by="patches: 6c"),
+    Symbol(
+        "vllm/v1/worker/block_table.py",
+        "BlockTable.block_size",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/block_table.py",
+        "BlockTable.get_cpu_tensor",
+        "method",
+        ("self",),
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/block_table.py",
+        "BlockTable.num_blocks_per_row",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/block_table.py",
+        "MultiGroupBlockTable.__getitem__",
+        "method",
+        ("self", "idx"),
+        used_by="proposer",
+    ),
+    # Subclasses GPUModelRunner without overriding the patched methods: the patches cover it.
+    Symbol(
+        "vllm/v1/worker/cpu_model_runner.py",
+        "CPUModelRunner",
+        "class",
+        used_by="indirect: patches: 4, 6c",
+    ),
+    # Calls drafter.load_model(self.model): MoAVllmProposer.load_model.
+    Symbol(
+        "vllm/v1/worker/cpu_model_runner.py",
+        "CPUModelRunner.load_model",
+        "method",
+        used_by="indirect: proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "CachedRequestState.block_ids",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "InputBatch.block_table",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "InputBatch.generators",
+        "instance-attribute",
+        used_by="patches: 6c, proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "InputBatch.num_reqs",
+        "property",
+        used_by="patches: 6c",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "InputBatch.num_tokens_no_spec",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "InputBatch.random_reqs",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "InputBatch.req_ids",
+        "property",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "InputBatch.token_ids_cpu",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner",
+        "class",
+        used_by="patches: 4, 6c",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.__init__",
+        "method",
+        ("self", "vllm_config", "device"),
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner._bookkeeping_sync",
+        "method",
+        used_by="patches: 6c",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner._calc_spec_decode_metadata",
+        "method",
+        ("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner._input_fits_in_drafter",
+        "method",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner._sample",
+        "method",
+        ("self", "logits", "spec_decode_metadata"),
+        used_by="patches: 4, 6c",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.attn_groups",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.discard_request_mask",
+        "instance-attribute",
+        used_by="patches: 6c",
+    ),
+    # The custom_class branch of __init__ assigns it create_custom_proposer's instance.
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.drafter",
+        "instance-attribute",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.execute_model",
+        "method",
+        used_by="patches: 4",
+    ),
+    # Also reassigned in GPUModelRunner.may_reinitialize_input_batch.
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.input_batch",
+        "instance-attribute",
+        used_by="patches: 6c, proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.input_ids",
+        "instance-attribute",
+        used_by="patches: 4",
+    ),
+    # Assigned in GPUModelRunner.initialize_kv_cache, not __init__.
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.kv_cache_config",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    # Calls drafter.load_model(self.model) when the drafter has one: MoAVllmProposer.load_model.
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.load_model",
+        "method",
+        used_by="indirect: proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.propose_draft_token_ids",
+        "method",
+        (
+            "self",
+            "scheduler_output",
+            "sampled_token_ids",
+            "sampling_metadata",
+            "hidden_states",
+            "sample_hidden_states",
+            "aux_hidden_states",
+            "spec_decode_metadata",
+            "common_attn_metadata",
+            "slot_mappings",
+        ),
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.requests",
+        "instance-attribute",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.speculative_config",
+        "instance-attribute",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/utils.py",
+        "AttentionGroup.get_metadata_builder",
+        "method",
+        ("self", "ubatch_id"),
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/utils.py",
+        "AttentionGroup.layer_names",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    # Loads general plugins (our register()) before register_triton_kernel_overrides.
+    Symbol(
+        "vllm/v1/worker/worker_base.py",
+        "WorkerWrapperBase.init_worker",
+        "method",
+        used_by="indirect: patches: 6a",
+    ),
+)
