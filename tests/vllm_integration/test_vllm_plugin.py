@@ -23,8 +23,11 @@ def test_version_check_names_the_supported_version():
 
     check_vllm_version("0.32.0")
     check_vllm_version("0.32.0+cpu")
-    with pytest.raises(UnsupportedVllmVersionError, match=r"supports vLLM 0\.32\.0 only.*0\.33\.0"):
-        check_vllm_version("0.33.0")
+    check_vllm_version("0.33.0")
+    with pytest.raises(
+        UnsupportedVllmVersionError, match=r"supports vLLM 0\.32\.0 and 0\.33\.0 only.*0\.34\.0"
+    ):
+        check_vllm_version("0.34.0")
 
 
 def test_register_is_idempotent_and_extends_the_method_literal():
@@ -105,6 +108,26 @@ def test_batch_size_schedule_is_checked_in_the_config_step(moa_pair):
         _engine_config(moa_pair["target"], {**base, key: [[0, 8, 1]]})
     with pytest.raises(Exception, match=r"caps batch sizes 1-8 at 5 drafts, above .*=3"):
         _engine_config(moa_pair["target"], {**base, key: [[1, 8, 5]]})
+
+
+def test_vllm_033_keeps_the_schedule_for_moa_only():
+    """vLLM 0.33 switches the dynamic speculation schedule off on the V1 runner for methods not
+    its own (`VllmConfig._maybe_disable_dynamic_sd_for_v1`, absent in 0.32): the patched check
+    leaves MoA's schedule alone, which the proposer honours, and runs vLLM's for the others."""
+    from types import SimpleNamespace
+
+    from vllm_moa.vllm_plugin.patches import keep_moa_schedule
+
+    def vllms(self):  # what 0.33 does for methods outside its list
+        if self.speculative_config is not None:
+            self.speculative_config.num_speculative_tokens_per_batch_size = None
+
+    check = keep_moa_schedule(vllms)
+    for method, kept in (("moa", True), ("custom_class", False)):
+        spec = SimpleNamespace(method=method, num_speculative_tokens_per_batch_size=[(1, 8, 3)])
+        check(SimpleNamespace(speculative_config=spec))
+        assert (spec.num_speculative_tokens_per_batch_size is not None) == kept, method
+    check(SimpleNamespace(speculative_config=None))  # no speculation: vLLM's own check
 
 
 def test_method_recognised_from_drafter_config(moa_pair):

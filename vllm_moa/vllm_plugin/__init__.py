@@ -1,4 +1,4 @@
-"""vLLM integration: the `moa` speculative method for unmodified vLLM 0.32.0.
+"""vLLM integration: the `moa` speculative method for unmodified vLLM 0.32.0 and 0.33.0.
 
 The only package that imports vLLM. `register()` is the `vllm.general_plugins` entry point,
 called by vLLM in every process it starts (API server, engine core, workers) before models and
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from vllm_moa.vllm_plugin.patches import (
     METHOD,
-    SUPPORTED_VLLM_VERSION,
+    SUPPORTED_VLLM_VERSIONS,
     UnsupportedVllmVersionError,
     check_vllm_version,
 )
 
 __all__ = [
     "METHOD",
-    "SUPPORTED_VLLM_VERSION",
+    "SUPPORTED_VLLM_VERSIONS",
     "UnsupportedVllmVersionError",
     "check_vllm_version",
     "register",

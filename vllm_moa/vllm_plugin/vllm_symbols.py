@@ -20,6 +20,8 @@ Each `Symbol`:
   or patch it with a wrapper of the same parameters. None when only existence matters (we read
   it, or wrap it with `*args, **kwargs` and pass everything through). A dataclass we construct
   with keywords has one `dataclass-field` entry per keyword instead.
+- `since`: the first supported release that has it, where older ones do not (the patch that
+  needs it applies only where it exists).
 - `used_by`: our module(s) that use it (patches.py's patch number where it is one); `indirect`
   marks a vLLM symbol none of our code names but whose behaviour the plugin depends on (the
   `custom_class` proposer branch, the plugin loading order, ...).
@@ -40,6 +42,7 @@ class Symbol:
     kind: str
     params: tuple[str, ...] | None = None
     used_by: str = ""
+    since: str = ""  # the first release that has it (patched only where it exists)
 
 
 SYMBOLS: tuple[Symbol, ...] = (
@@ -243,6 +246,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         used_by="compiled, proposer",
     ),
     # Read through VllmConfig.__dict__ (must be a property there) and replaced by one.
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig._maybe_disable_dynamic_sd_for_v1",
+        "method",
+        ("self",),
+        used_by="patches: 2",
+        since="0.33.0",
+    ),
     Symbol(
         "vllm/config/vllm.py", "VllmConfig.num_lookahead_tokens", "property", used_by="patches: 5"
     ),

