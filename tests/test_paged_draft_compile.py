@@ -51,7 +51,7 @@ def test_draft_loop_compiles_without_graph_breaks():
         drafted = []
         for _ in range(3):  # a chain of three drafts, as the proposer runs it
             h = paged_draft_step(
-                drafter, embed, stores, table, block_size, tokens, positions, ends,
+                drafter, stores, table, block_size, embed(tokens), positions, ends,
                 memory_lens, has_memory,
             )  # fmt: skip
             tokens = (h @ embed.weight.T).argmax(dim=-1)  # a stand-in LM head

@@ -94,18 +94,19 @@ def test_compiled_step_equals_eager_at_every_batch_size_without_recompiling():
     torch._dynamo.reset()
     step = Compiled(paged_draft_step)
     for rows in (3, 1):  # as the proposer warms it up
-        step.warm(drafter, embed, _stores(drafter, 0), *_with_size(_inputs(rows, 2, 0)))
+        table, tokens, *rest = _inputs(rows, 2, 0)
+        step.warm(drafter, _stores(drafter, 0), table, BLOCK_SIZE, embed(tokens), *rest)
     for rows, width in [(1, 1), (2, 2), (5, 3), (8, 1), (4, 4)]:
         stores = _stores(drafter, rows)
         eager_stores = _clone(stores)
         table, tokens, positions, ends, memory_lens, has_memory = _inputs(rows, width, rows)
         want = paged_draft_step(
-            drafter, embed, eager_stores, table, BLOCK_SIZE, tokens, positions, ends,
+            drafter, eager_stores, table, BLOCK_SIZE, embed(tokens), positions, ends,
             memory_lens, has_memory,
         )  # fmt: skip
         with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile fails the test
             got = step(
-                drafter, embed, stores, widen(table, 2), BLOCK_SIZE, tokens, positions, ends,
+                drafter, stores, widen(table, 2), BLOCK_SIZE, embed(tokens), positions, ends,
                 memory_lens, has_memory,
             )  # fmt: skip
         # fp32 both ways; Inductor reorders the norms' and SwiGLU's arithmetic.
@@ -140,8 +141,3 @@ def test_compiled_page_rows_equal_eager_without_recompiling():
             got = compiled(drafter, *inputs)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-
-
-def _with_size(inputs: tuple[torch.Tensor, ...]) -> tuple[object, ...]:
-    table, *rest = inputs
-    return (table, BLOCK_SIZE, *rest)

@@ -238,15 +238,20 @@ def test_a_model_is_not_taken_for_a_drafter(moa_pair):
         _engine_config(moa_pair["target"], spec)
 
 
-def test_tensor_parallelism_is_refused_first(moa_pair):
-    """Before vLLM's own start-up checks (NUMA, workers): the config step refuses it."""
+def test_pipeline_parallelism_is_refused_first(moa_pair):
+    """Before vLLM's own start-up checks (NUMA, workers): the config step refuses it; tensor
+    parallelism passes the same step (it runs: test_vllm_tensor_parallel.py)."""
     from vllm.engine.arg_utils import EngineArgs
 
     spec = {"method": "moa", "model": str(moa_pair["tli0"]), "num_speculative_tokens": 2}
-    with pytest.raises(Exception, match="does not support tensor or pipeline parallelism"):
+    with pytest.raises(Exception, match="does not support pipeline parallelism"):
         EngineArgs(
-            model=str(moa_pair["target"]), tensor_parallel_size=2, speculative_config=spec
+            model=str(moa_pair["target"]), pipeline_parallel_size=2, speculative_config=spec
         ).create_engine_config()
+    config = EngineArgs(
+        model=str(moa_pair["target"]), tensor_parallel_size=2, speculative_config=spec
+    ).create_engine_config()
+    assert config.speculative_config.method == "moa"
 
 
 def test_long_chains_warn_with_the_trained_range(moa_pair, monkeypatch):

@@ -11,7 +11,7 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
    other methods' keys (`prompt_lookup_max`, `suffix_decoding_*`); the pydantic schema is
    rebuilt.
 2. `SpeculativeConfig.__post_init__` recognises a MoA drafter directory when `method` is omitted,
-   validates it before any engine starts (parallelism refused first; the drafter's config,
+   validates it before any engine starts (pipeline parallelism refused first; the drafter's config,
    target shape and weights file header checked against the target, one clear error each; a
    warning when K exceeds the chains it was trained for; vLLM's dynamic speculation schedule
    parsed by vLLM's own validator, for the proposer to honour; vLLM 0.33, which switches the
@@ -169,16 +169,16 @@ def is_moa(spec: Any) -> bool:
 
 
 def check_parallelism(parallel: Any) -> None:
-    """MoA runs with one worker per model: refuse tensor / pipeline parallelism up front."""
+    """MoA runs with tensor parallelism, not with pipeline parallelism: refuse the latter up
+    front."""
     if parallel is None:
         return
-    tp = int(getattr(parallel, "tensor_parallel_size", 1))
     pp = int(getattr(parallel, "pipeline_parallel_size", 1))
-    if tp > 1 or pp > 1:
+    if pp > 1:
         raise ValueError(
-            f'speculative method "moa" does not support tensor or pipeline parallelism yet '
-            f"(tensor_parallel_size={tp}, pipeline_parallel_size={pp}): serve with "
-            "--tensor-parallel-size 1 --pipeline-parallel-size 1, or without MoA"
+            f'speculative method "moa" does not support pipeline parallelism '
+            f"(pipeline_parallel_size={pp}): serve with --pipeline-parallel-size 1 (tensor "
+            "parallelism works), or without MoA"
         )
 
 

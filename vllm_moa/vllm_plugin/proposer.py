@@ -65,6 +65,7 @@ from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV
 from vllm_moa.vllm_plugin.pages import DrafterPages
 from vllm_moa.vllm_plugin.patches import LOGGER_NAME
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
+from vllm_moa.vllm_plugin.tensor_parallel import gather_kv_heads, same_on_every_rank
 from vllm_moa.vllm_plugin.uploads import upload
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -103,11 +104,9 @@ class MoAVllmProposer:
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ValueError("MoA speculative decoding does not support pipeline parallelism")
-        if parallel.tensor_parallel_size > 1:
-            raise ValueError(
-                "MoA speculative decoding does not support tensor parallelism yet "
-                f"(tensor_parallel_size={parallel.tensor_parallel_size}); serve with TP=1"
-            )
+        # Tensor parallelism (tensor_parallel.py): each rank runs the whole drafter on the K/V
+        # of every head, gathered from the ranks, and rank 0 chooses the draft lengths.
+        self.tp = int(parallel.tensor_parallel_size)
         if getattr(vllm_config.model_config, "use_mla", False):
             raise ValueError("MoA needs per-layer K/V: MLA targets are not supported")
         self.drafter: MoADrafter | None = None
@@ -200,8 +199,9 @@ class MoAVllmProposer:
             positions = torch.arange(5, 5 + 7 * n, 7, device=device)
             table = torch.arange(2, 2 + 2 * n, dtype=torch.int32, device=device).view(n, 2)
             step.warm(
-                drafter, target.embed, stores, table, block_size,
-                torch.ones(n, dtype=torch.long, device=device), positions,
+                drafter, stores, table, block_size,
+                torch.zeros(n, shape.hidden_size, dtype=self._target_dtype, device=device),
+                positions,
                 positions + self.num_speculative_tokens, positions.to(torch.int32),
                 torch.ones(n, 1, 1, dtype=torch.long, device=device),
             )  # fmt: skip
@@ -362,6 +362,8 @@ class MoAVllmProposer:
             trackers.append(tracker)
             catch_up.append(n - state.written)
         ks = self.lengths.choose(trackers, budgets, catch_up)
+        if self.tp > 1:  # the lengths follow each rank's own timings: rank 0's decide
+            ks = same_on_every_rank(ks)
         if time.monotonic() - self._chosen_logged > 30.0:
             self._chosen_logged = time.monotonic()
             logger.info("MoA adaptive speculation: %s", self.lengths.summary())
@@ -382,6 +384,8 @@ class MoAVllmProposer:
             got = gather_layer_kv(
                 [attns[i].kv_cache for i in members], slots, *self._cache_layout(attns[members[0]])
             )
+            if self.tp > 1:  # this rank holds its share of the KV heads: all of them
+                got = gather_kv_heads(got, self.target.shape.num_kv_heads, self.tp)
             if len(members) == len(attns):
                 return got
             for j, i in enumerate(members):
@@ -504,8 +508,10 @@ class MoAVllmProposer:
         wide = widen(table, self._min_width)
         drafted: list[torch.Tensor] = []
         for step in range(max(budgets)):
+            # The embedding runs outside the compiled step: with tensor parallelism it is an
+            # all-reduce over the vocabulary shards.
             h = self._draft_step(
-                drafter, target.embed, stores, wide, block_size, tokens, positions, ends,
+                drafter, stores, wide, block_size, target.embed(tokens), positions, ends,
                 memory_lens, has_memory,
             )  # fmt: skip
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
@@ -613,11 +619,10 @@ def widen(table: torch.Tensor, width: int) -> torch.Tensor:
 
 def paged_draft_step(
     drafter: MoADrafter,
-    embed: Callable[[torch.Tensor], torch.Tensor],
     stores: dict[str, PagedKV],
     table: torch.Tensor,  # int32 [B, n]: the rows' block tables
     block_size: int,
-    tokens: torch.Tensor,  # [B]: each row's last token
+    token_embeds: torch.Tensor,  # [B, E]: the target's embeddings of each row's last token
     positions: torch.Tensor,  # [B]: their positions
     ends: torch.Tensor,  # [B]: the rows' first positions past their budget
     memory_lens: torch.Tensor,  # int32 [B]: memory rows each row sees (>= 1)
@@ -639,4 +644,4 @@ def paged_draft_step(
     def cross_attend(q: torch.Tensor, *_: torch.Tensor | None) -> torch.Tensor:
         return stores["memory"].attend(q, table, memory_lens) * has_memory
 
-    return drafter.draft_step(embed(tokens).to(drafter.dtype), positions, self_attend, cross_attend)
+    return drafter.draft_step(token_embeds.to(drafter.dtype), positions, self_attend, cross_attend)

@@ -275,6 +275,27 @@ SYMBOLS: tuple[Symbol, ...] = (
     ),
     # -- vllm/forward_context.py ---------------------------------------------------------------
     Symbol(
+        "vllm/distributed/communication_op.py",
+        "tensor_model_parallel_all_gather",
+        "function",
+        ("input_", "dim"),
+        used_by="tensor_parallel",
+    ),
+    Symbol(
+        "vllm/distributed/parallel_state.py",
+        "GroupCoordinator.broadcast",
+        "method",
+        ("self", "input_", "src"),
+        used_by="tensor_parallel",
+    ),
+    Symbol(
+        "vllm/distributed/parallel_state.py",
+        "GroupCoordinator.device",
+        "instance-attribute",
+        used_by="tensor_parallel",
+    ),
+    Symbol("vllm/distributed/parallel_state.py", "get_tp_group", "function", (), "tensor_parallel"),
+    Symbol(
         "vllm/forward_context.py",
         "set_forward_context",
         "function",
