@@ -1,0 +1,69 @@
+"""MoA serving real requests on a GPU page layout: vLLM's FLEX_ATTENTION backend on the CPU
+(flex_on_cpu.py), whose caches have the [blocks, heads, block, 2 x head size] layout of the GPU
+backends. The proposer reads the target's K/V with the GPU-layout reader, keeps its own pages
+through `page_views` + the PyTorch paged attention, and TLI runs the target's layers with the
+FLEX_ATTENTION metadata builder; greedy outputs equal plain decoding on the same backend, drafts
+are accepted, and plain decoding there equals plain decoding on CPU_ATTN."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.vllm_integration.test_vllm_offline import PROMPTS
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import json, sys
+flex = sys.argv[3] == "flex"
+if flex:
+    from tests.vllm_integration.flex_on_cpu import install
+    install()
+from vllm import LLM, SamplingParams
+target, drafter = sys.argv[1], sys.argv[2]
+spec = None if drafter == "-" else {"method": "moa", "model": drafter, "num_speculative_tokens": 3}
+llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
+          speculative_config=spec, disable_log_stats=False, num_gpu_blocks_override=96,
+          block_size=32)
+outs = llm.generate(json.loads(sys.argv[4]), SamplingParams(temperature=0.0, max_tokens=24))
+accepted = sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics()
+               if m.name == "vllm:spec_decode_num_accepted_tokens")
+print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
+                              "accepted": accepted}))
+"""
+
+
+def _generate(target: Path, drafter: Path | None, backend: str) -> tuple[dict, str]:
+    env = dict(
+        os.environ,
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(target), str(drafter or "-"), backend,
+         json.dumps(PROMPTS[:4])],
+        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :]), done.stdout + done.stderr
+
+
+def test_moa_on_the_gpu_page_layout_equals_plain_decoding(moa_pair):
+    plain, _ = _generate(moa_pair["target"], None, "flex")
+    reference, _ = _generate(moa_pair["target"], None, "cpu")
+    assert plain["tokens"] == reference["tokens"]
+    for tli in (0, 1):
+        got, log = _generate(moa_pair["target"], moa_pair[f"tli{tli}"], "flex")
+        assert "backend FLEX_ATTENTION" in log, "the proposer did not run on the GPU layout"
+        assert got["tokens"] == plain["tokens"], f"TLI={tli}"
+        assert got["accepted"] > 0, f"TLI={tli}: the trained drafter should land drafts"
