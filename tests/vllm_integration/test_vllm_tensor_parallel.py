@@ -1,7 +1,8 @@
 """MoA under tensor parallelism (vllm_plugin/tensor_parallel.py): TP=2 on vLLM's CPU backend
 (two worker processes, one core each) gives plain decoding's greedy outputs at TP=1, with drafts
-accepted, for TLI 0 and 1 (whose tail runs the target's sharded layers); and the K/V rows of
-every head are put together from the ranks' shares in both of vLLM's head layouts."""
+accepted and the two ranks drafting the same, for TLI 0 and 1 (whose tail runs the target's
+sharded layers); and the K/V rows of every head are put together from the ranks' shares in both
+of vLLM's head layouts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,8 +35,10 @@ print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in o
 """
 
 
-def _generate(target, drafter, tp: int) -> dict:
+def _generate(target, drafter, tp: int, trace: Path | None = None) -> dict:
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    if trace is not None:
+        env["VLLM_MOA_TRACE"] = str(trace)  # each rank's proposer appends its drafts
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(i % (os.cpu_count() or 1)) for i in range(tp)
@@ -48,12 +53,16 @@ def _generate(target, drafter, tp: int) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
-def test_tp2_greedy_equals_plain_tp1(moa_pair):
+def test_tp2_greedy_equals_plain_tp1(moa_pair, tmp_path):
     plain = _generate(moa_pair["target"], None, 1)
     for tli in (0, 1):
-        got = _generate(moa_pair["target"], moa_pair[f"tli{tli}"], 2)
+        trace = tmp_path / f"trace{tli}.jsonl"
+        got = _generate(moa_pair["target"], moa_pair[f"tli{tli}"], 2, trace)
         assert got["tokens"] == plain["tokens"], f"TLI={tli}"
         assert got["accepted"] > 0, f"TLI={tli}: the trained drafter should land drafts"
+        # Both ranks drafted, and drafted the same: every (context, drafts) line comes in pairs.
+        lines = Counter(trace.read_text().splitlines())
+        assert lines and all(n % 2 == 0 for n in lines.values()), f"TLI={tli}: ranks disagree"
 
 
 @pytest.mark.parametrize("num_kv_heads, tp", [(4, 2), (2, 2), (1, 2), (2, 4)])
