@@ -204,16 +204,18 @@ def _draft_cost(data: dict[str, Any]) -> Iterator[list[Any]]:
     by = {(r["method"], r["prompt_tokens"]): r for r in rows}
     names = {"moa": "MoA", "moa_eager": "MoA eager", "eagle": "vLLM EAGLE"}
     wall = "wall ms/token: " + " / ".join(["plain", *(names.get(m, m) for m in methods)])
+    paired = "eagle" in methods  # the MoA / EAGLE column only where EAGLE ran
+    ratio_column = ["MoA / EAGLE (median of rounds)"] if paired else []
     yield ["prompt tokens", *(f"{names.get(m, m)} drafting ms/token" for m in methods),
-           "MoA / EAGLE (median of rounds)", wall]  # fmt: skip
+           *ratio_column, wall]  # fmt: skip
     for length in dict.fromkeys(r["prompt_tokens"] for r in rows):
         moa = by.get(("moa", length), {})
-        ratio = f"{moa['propose_vs_eagle']:.2f}" if "propose_vs_eagle" in moa else ""
+        ratio = [f"{moa['propose_vs_eagle']:.2f}" if "propose_vs_eagle" in moa else ""]
         walls = [
             by[(m, length)]["wall_ms_per_token"] for m in ["plain", *methods] if (m, length) in by
         ]
-        yield [length, *(f"{by[(m, length)]['propose_ms_per_token']:.2f}" for m in methods), ratio,
-               " / ".join(f"{w:.2f}" for w in walls)]  # fmt: skip
+        yield [length, *(f"{by[(m, length)]['propose_ms_per_token']:.2f}" for m in methods),
+               *(ratio if paired else []), " / ".join(f"{w:.2f}" for w in walls)]  # fmt: skip
 
 
 TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
