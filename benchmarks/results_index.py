@@ -36,7 +36,9 @@ DOCS = [
     ROOT / "benchmarks" / "TESTBED.md",
 ]
 MARKER = re.compile(
-    r"(<!-- results-table: (?P<name>[\w.-]+) -->\n)(?P<body>.*?)(<!-- /results-table -->)", re.S
+    r"(<!-- results-table: (?P<name>[\w.-]+)(?: (?P<layout>[\w-]+))? -->\n)(?P<body>.*?)"
+    r"(<!-- /results-table -->)",
+    re.S,
 )
 
 
@@ -218,6 +220,30 @@ def _draft_cost(data: dict[str, Any]) -> Iterator[list[Any]]:
                *(ratio if paired else []), " / ".join(f"{w:.2f}" for w in walls)]  # fmt: skip
 
 
+def _serve_sweep_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
+    """One row per rate, one column per arm: throughput vs plain, median latency (s)."""
+    rows = data["results"]
+    arms = list(dict.fromkeys(r["method"] for r in rows))
+    names = {"plain": "plain", "eagle": "vLLM EAGLE (fixed K)"}
+    label = {a: names.get(a, "MoA fixed K" if a.endswith("_fixed") else "MoA adaptive (default)")
+             for a in arms}  # fmt: skip
+    yield ["requests/s", *(label[a] for a in arms)]
+    plain = {r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
+    by = {(r["request_rate"], r["method"]): r for r in rows}
+    for rate in dict.fromkeys(r["request_rate"] for r in rows):
+        cells = []
+        for a in arms:
+            r = by[(rate, a)]
+            ratio = r["output_tokens_per_s"] / plain[rate]
+            cells.append(f"{ratio:.2f}, {r['e2e_latency_p50_ms'] / 1e3:.2f}")
+        yield ["all at once" if rate == "inf" else rate, *cells]
+
+
+# Layouts a marker may name after the results file (`<!-- results-table: NAME LAYOUT -->`).
+LAYOUTS: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
+    "compact": _serve_sweep_compact,
+}
+
 TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
     "draft_cost": _draft_cost,
     "throughput": _throughput,
@@ -229,12 +255,14 @@ TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
 }
 
 
-def render_table(name: str) -> str:
+def render_table(name: str, layout: str | None = None) -> str:
     path = RESULTS / f"{name}.json"
     if not path.is_file():
         raise SystemExit(f"results-table marker names {name!r}, but {path} does not exist")
     data = json.loads(path.read_text())
-    make = TABLES.get(data.get("benchmark", ""))
+    if layout is not None and layout not in LAYOUTS:
+        raise SystemExit(f"results-table marker names layout {layout!r}; known: {list(LAYOUTS)}")
+    make = LAYOUTS[layout] if layout is not None else TABLES.get(data.get("benchmark", ""))
     if make is None:
         raise SystemExit(f"no table layout for benchmark {data.get('benchmark')!r} ({name})")
     header, *body = list(make(data))
@@ -244,7 +272,9 @@ def render_table(name: str) -> str:
 
 
 def render_doc(text: str) -> str:
-    return MARKER.sub(lambda m: m.group(1) + render_table(m.group("name")) + m.group(4), text)
+    return MARKER.sub(
+        lambda m: m.group(1) + render_table(m.group("name"), m.group("layout")) + m.group(5), text
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,3 +11,14 @@ def test_index_has_a_row_per_results_file_with_key_figures():
     rows = [line for line in render_index().splitlines() if line]
     sweep = next(r for r in rows if '"file": "serve_sweep_cpu_inflated.json"' in r)
     assert '"moa_tli0@inf"' in sweep and '"git_sha"' in sweep
+
+
+def test_a_marker_may_name_a_layout():
+    import pytest
+
+    from benchmarks.results_index import render_table
+
+    compact = render_table("serve_sweep_cpu_inflated", "compact")
+    assert compact.splitlines()[0].startswith("| requests/s | plain | MoA adaptive (default)")
+    with pytest.raises(SystemExit, match="layout 'nope'"):
+        render_table("serve_sweep_cpu_inflated", "nope")
