@@ -29,6 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -182,6 +183,7 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 def main() -> None:
     from benchmarks.testbed.report import save_json
     from benchmarks.throughput import make_engine, vllm_eagle_dir
+    from vllm_moa.vllm_plugin.compiled import COMPILE_ENV
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
@@ -225,20 +227,16 @@ def main() -> None:
         },
     }
     vocab = int(json.loads((Path(args.target) / "config.json").read_text())["vocab_size"])
-    specs["moa_eager"] = specs["moa"]  # MoA with its proposer not compiled (VLLM_MOA_COMPILE=0)
+    specs["moa_eager"] = specs["moa"]  # MoA with its proposer not compiled
     engines = {}
-    given = os.environ.get("VLLM_MOA_COMPILE")
     for method in args.methods:
-        if method == "moa_eager":
-            os.environ["VLLM_MOA_COMPILE"] = "0"  # read when the proposer loads
-        engines[method], _ = make_engine(
-            target, specs[method], args.batch, "float32", args.enforce_eager,
-            max_model_len=max_len, enable_prefix_caching=False,
-        )  # fmt: skip
-        if given is None:
-            os.environ.pop("VLLM_MOA_COMPILE", None)
-        else:
-            os.environ["VLLM_MOA_COMPILE"] = given
+        # moa_eager: the proposer reads VLLM_MOA_COMPILE when it loads.
+        eager_proposer = {COMPILE_ENV: "0"} if method == "moa_eager" else {}
+        with mock.patch.dict(os.environ, eager_proposer):
+            engines[method], _ = make_engine(
+                target, specs[method], args.batch, "float32", args.enforce_eager,
+                max_model_len=max_len, enable_prefix_caching=False,
+            )  # fmt: skip
     time_proposer()
     rows = measure(engines, args, vocab)
     del engines

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from vllm_moa.decoding.adaptive import ADAPTIVE_ENV
 from vllm_moa.vllm_plugin.compiled import COMPILE_ENV
@@ -273,11 +274,10 @@ def main() -> None:
                 os.environ[ADAPTIVE_ENV] = "1" if adaptive else "0"  # read when the engine starts
                 engines[name] = make_engine(args.target, spec, top, args.dtype, eager)
                 if method == "moa" and args.eager_proposer:
-                    os.environ[COMPILE_ENV] = "0"
-                    engines[f"{name}_eager_proposer"] = make_engine(
-                        args.target, spec, top, args.dtype, eager
-                    )
-                    del os.environ[COMPILE_ENV]
+                    with mock.patch.dict(os.environ, {COMPILE_ENV: "0"}):
+                        engines[f"{name}_eager_proposer"] = make_engine(
+                            args.target, spec, top, args.dtype, eager
+                        )
         if args.ngram:
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4}
             engines[f"ngram_k{k}"] = make_engine(args.target, spec, top, args.dtype, eager)

@@ -5,7 +5,10 @@ vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), eager, fp32, with a 1 G
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -202,3 +205,20 @@ def check_drafts_equal_standalone(
         generated = next(len(context) - n for p, n in prompt_len.items() if context[:n] == p)
         assert generated >= max_tokens - k, (generated, context)
     return llm
+
+
+def run_script(script: str, *args: object, env: dict[str, str]) -> tuple[dict, str]:
+    """Run `script` (Python source) in a fresh interpreter from the repository root with `env`
+    added to this process's environment; return the JSON it prints after `RESULT ` (its last
+    such line) and its whole output. For vLLM set-ups a test process cannot host (worker
+    processes, patched platforms)."""
+    root = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-c", script, *map(str, args)],
+        env={**os.environ, "PYTHONPATH": path, **env}, capture_output=True, text=True,
+        timeout=900, cwd=root,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return json.loads(lines[-1][len("RESULT ") :]), done.stdout + done.stderr

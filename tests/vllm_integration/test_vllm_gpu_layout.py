@@ -8,18 +8,14 @@ are accepted, and plain decoding there equals plain decoding on CPU_ATTN."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.vllm_integration.conftest import run_script
 from tests.vllm_integration.test_vllm_offline import PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json, sys
@@ -42,20 +38,8 @@ print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in o
 
 
 def _generate(target: Path, drafter: Path | None, backend: str) -> tuple[dict, str]:
-    env = dict(
-        os.environ,
-        VLLM_CPU_KVCACHE_SPACE="1",
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(target), str(drafter or "-"), backend,
-         json.dumps(PROMPTS[:4])],
-        env=env, capture_output=True, text=True, timeout=900, cwd=ROOT,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :]), done.stdout + done.stderr
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    return run_script(SCRIPT, target, drafter or "-", backend, json.dumps(PROMPTS[:4]), env=env)
 
 
 def test_moa_on_the_gpu_page_layout_equals_plain_decoding(moa_pair):

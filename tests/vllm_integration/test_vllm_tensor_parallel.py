@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.vllm_integration.conftest import run_script
 from tests.vllm_integration.test_vllm_offline import PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -36,21 +35,15 @@ print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in o
 
 
 def _generate(target, drafter, tp: int, trace: Path | None = None) -> dict:
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     if trace is not None:
         env["VLLM_MOA_TRACE"] = str(trace)  # each rank's proposer appends its drafts
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
             str(i % (os.cpu_count() or 1)) for i in range(tp)
         )
-    done = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(target), str(drafter or "-"), str(tp),
-         json.dumps(PROMPTS[:6])],
-        env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    result, _ = run_script(SCRIPT, target, drafter or "-", tp, json.dumps(PROMPTS[:6]), env=env)
+    return result
 
 
 def test_tp2_greedy_equals_plain_tp1(moa_pair, tmp_path):

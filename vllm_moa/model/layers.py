@@ -5,12 +5,13 @@ Shapes: B batch (tokens for LSA), T queries, S keys, H query heads, Hkv KV heads
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm_moa.switches import env_switch
 
 
 class RMSNorm(nn.Module):
@@ -76,13 +77,9 @@ def use_kernels(device: torch.device) -> bool:
     """Whether inference uses our Triton kernels: `auto` (default) on CUDA devices when Triton is
     installed; `1` forces them anywhere (tests run them on the CPU under TRITON_INTERPRET=1);
     `0` never (the PyTorch paths)."""
-    mode = os.environ.get(KERNELS_ENV, "auto").strip().lower()
-    if mode in ("0", "off", "false", "no"):
-        return False
-    if mode in ("1", "on", "true", "yes"):
-        return True
-    if mode != "auto":
-        raise ValueError(f"{KERNELS_ENV}={mode!r}: use auto, 1 or 0")
+    switch = env_switch(KERNELS_ENV)
+    if switch is not None:
+        return switch
     if device.type != "cuda":
         return False
     from vllm_moa.kernels.layer_attention import triton

@@ -15,12 +15,13 @@ time so that no request waits for a compile.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 import torch.fx.experimental._config as fx_config
+
+from vllm_moa.switches import env_switch
 
 COMPILE_ENV = "VLLM_MOA_COMPILE"
 
@@ -31,13 +32,9 @@ R = TypeVar("R")
 def compile_wanted(vllm_config: Any) -> bool:
     """Whether the proposer compiles: `VLLM_MOA_COMPILE` if set (1 / 0), else whether vLLM
     compiles the target (its compilation mode is not NONE, e.g. no `--enforce-eager`)."""
-    mode = os.environ.get(COMPILE_ENV, "auto").strip().lower()
-    if mode in ("1", "on", "true", "yes"):
-        return True
-    if mode in ("0", "off", "false", "no"):
-        return False
-    if mode != "auto":
-        raise ValueError(f"{COMPILE_ENV}={mode!r}: use auto, 1 or 0")
+    switch = env_switch(COMPILE_ENV)
+    if switch is not None:
+        return switch
     if getattr(vllm_config.model_config, "enforce_eager", False):
         return False
     return int(getattr(vllm_config.compilation_config, "mode", 0) or 0) != 0

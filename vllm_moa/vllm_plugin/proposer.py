@@ -124,9 +124,6 @@ class MoAVllmProposer:
         # The hot functions, compiled where vLLM compiles the target (compiled.py).
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
         self._page_rows: Callable[..., tuple[torch.Tensor, ...]] = page_rows
-        # Compiled, block tables are widened to 2 columns at least (`widen`): a width of 1
-        # would compile graphs of its own.
-        self._min_width = 1
 
     def propose(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -211,7 +208,7 @@ class MoAVllmProposer:
             )  # fmt: skip
             embeds = torch.zeros(n, shape.hidden_size, dtype=drafter.dtype, device=device)
             rows.warm(drafter, embeds, layer_kv, positions)
-        self._draft_step, self._page_rows, self._min_width = step, rows, 2
+        self._draft_step, self._page_rows = step, rows
 
     def _groups(self, runner: Any, names: list[str]) -> list[tuple[int, int]]:
         """(KV-cache group, scheduler block size) of each named layer."""
@@ -505,7 +502,7 @@ class MoAVllmProposer:
         ends = upload([n + b for n, b in zip(verified, budgets, strict=True)], self.device)
         tokens = upload([p[-1] for p in pending], self.device)
 
-        wide = widen(table, self._min_width)
+        wide = widen(table, 2)  # a width of 1 would compile graphs of its own (compiled.py)
         drafted: list[torch.Tensor] = []
         for step in range(max(budgets)):
             # The embedding runs outside the compiled step: with tensor parallelism it is an

@@ -191,10 +191,8 @@ def check_symbol(source: Source, sym: Symbol) -> str:
                     d.id if isinstance(d, ast.Name) else getattr(d, "attr", "")
                     for d in node.decorator_list
                 }
-                wanted = {"property": "property", "staticmethod": "staticmethod"}.get(sym.kind)
-                if sym.kind == "classmethod":
-                    wanted = "classmethod"
-                if wanted and wanted not in decorators and "cached_property" not in decorators:
+                wanted = sym.kind in ("property", "staticmethod", "classmethod")
+                if wanted and sym.kind not in decorators and "cached_property" not in decorators:
                     return f"no longer a {sym.kind}"
                 return _check_params(node, sym.params) if sym.params is not None else ""
             return ""
