@@ -37,3 +37,44 @@ def test_upload_copies_host_ints_to_the_device(device):
     host = torch.arange(6, dtype=torch.int32).reshape(2, 3)
     moved = upload(host, device)
     assert moved.dtype == torch.int32 and torch.equal(moved.cpu(), host)
+
+
+@pytest.mark.parametrize(
+    "heads, dim, query_heads, dtype",
+    [
+        (1, 64, 2, torch.float32),  # the test pair's SA / CA
+        (2, 64, 8, torch.float32),  # GQA 4
+        (2, 32, 2, torch.float16),  # 16-bit pages (tensor-core path on a GPU)
+    ],
+)
+def test_triton_store_reads_pages_in_place_like_the_reference(heads, dim, query_heads, dtype):
+    """The GPU layouts' store (the paged Triton kernel, here under TRITON_INTERPRET) equals the
+    PyTorch reference on random pages: ragged lengths, page boundaries, shuffled block tables."""
+    from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV, TritonPagedKV
+
+    gen = torch.Generator().manual_seed(heads * dim)
+    num_blocks, block_size = 10, 16
+    cache = torch.randn(num_blocks, heads, block_size, 2 * dim, generator=gen).to(dtype)
+    ref = TorchPagedKV(*page_views(cache, heads, dim))
+    kernel = TritonPagedKV(*page_views(cache, heads, dim))
+    seq_lens = torch.tensor([1, 16, 17, 50, 64], dtype=torch.int32)
+    table = torch.stack([torch.randperm(num_blocks, generator=gen)[:4] for _ in seq_lens])
+    q = torch.randn(len(seq_lens), query_heads, dim, generator=gen).to(dtype)
+    got = kernel.attend(q, table.to(torch.int32), seq_lens)
+    want = ref.attend(q, table.to(torch.int32), seq_lens)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    # fp32: both accumulate in fp32 over <= 64 keys (rounding only). fp16: the kernel rounds the
+    # probabilities to fp16 for P @ V as flash attention does; the reference's SDPA rounds
+    # differently: a few fp16 ulps at outputs of magnitude <= ~3.
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def test_gpu_layouts_pick_the_kernel_store_when_kernels_are_on(monkeypatch):
+    from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV, TritonPagedKV, pages_kv
+
+    cache = torch.zeros(3, 2, 16, 128)
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "1")
+    assert type(pages_kv(cache, 2, 64, torch.float32, "FLASH_ATTN")) is TritonPagedKV
+    monkeypatch.setenv("VLLM_MOA_KERNELS", "0")
+    assert type(pages_kv(cache, 2, 64, torch.float32, "FLASH_ATTN")) is TorchPagedKV

@@ -37,9 +37,16 @@ print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in o
 """
 
 
-def _generate(target: Path, drafter: Path | None, backend: str) -> tuple[dict, str]:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    return run_script(SCRIPT, target, drafter or "-", backend, json.dumps(PROMPTS[:4]), env=env)
+def _generate(
+    target: Path, drafter: Path | None, backend: str, kernels: str = "0", prompts: int = 4
+) -> tuple[dict, str]:
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_MOA_KERNELS": kernels,
+    }
+    args = (target, drafter or "-", backend, json.dumps(PROMPTS[:prompts]))
+    return run_script(SCRIPT, *args, env=env)
 
 
 def test_moa_on_the_gpu_page_layout_equals_plain_decoding(moa_pair):
@@ -49,5 +56,18 @@ def test_moa_on_the_gpu_page_layout_equals_plain_decoding(moa_pair):
     for tli in (0, 1):
         got, log = _generate(moa_pair["target"], moa_pair[f"tli{tli}"], "flex")
         assert "backend FLEX_ATTENTION" in log, "the proposer did not run on the GPU layout"
+        assert "sa TorchPagedKV" in log
         assert got["tokens"] == plain["tokens"], f"TLI={tli}"
         assert got["accepted"] > 0, f"TLI={tli}: the trained drafter should land drafts"
+
+
+def test_moa_with_the_triton_kernels_on_the_gpu_page_layout(moa_pair):
+    """What a CUDA GPU runs (the kernels on: LSA's input gathered by `paged_layer_kv`, LSA by
+    `layer_attention`, SA / CA over the drafter's pages by the paged kernel, `TritonPagedKV`),
+    here under Triton's interpreter: the same greedy tokens as plain decoding."""
+    plain, _ = _generate(moa_pair["target"], None, "flex", prompts=2)
+    got, log = _generate(moa_pair["target"], moa_pair["tli0"], "flex", kernels="1", prompts=2)
+    assert "backend FLEX_ATTENTION" in log
+    assert "sa TritonPagedKV" in log and "memory TritonPagedKV" in log
+    assert got["tokens"] == plain["tokens"]
+    assert got["accepted"] > 0

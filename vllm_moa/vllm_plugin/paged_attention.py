@@ -7,9 +7,13 @@ whose blocks are `block_table[b]`. Nothing is gathered into dense per-request te
 
 - `CpuPagedKV` (CPU_ATTN): vLLM's own C++ paged-attention and cache-write ops, the ones its CPU
   backend runs for the target.
-- `TorchPagedKV`: a PyTorch reference, used for the other backends' pages (the GPU ones) and in
-  tests. It reads each request's blocks through the block table on every call (a gather):
-  correct anywhere, but its cost grows with the context; CUDA wants a paged kernel in its place.
+- `TritonPagedKV` (the GPU backends' pages, where the project's Triton kernels run: see
+  `vllm_moa.model.layers.use_kernels`): the paged verification kernel
+  (`vllm_moa.kernels.tree_attention`) with one query per request and no tree nodes, so each
+  request's K/V are read once, in place, through its block table.
+- `TorchPagedKV`: a PyTorch reference, used where neither runs (GPU pages with the kernels
+  off) and in tests. It reads each request's blocks through the block table on every call (a
+  gather): correct anywhere, but it copies the history each time.
 
 (The TLI tail needs none of this: it runs the target's own layers, with the metadata vLLM's own
 attention builders make, see `target_view.run_tail`.)
@@ -128,6 +132,44 @@ class TorchPagedKV:
         return out[:, :, 0].to(q.dtype)
 
 
+class TritonPagedKV(TorchPagedKV):
+    """`TorchPagedKV`'s writes; attention by the paged Triton kernel. The kernel attends to a
+    paged prefix plus tree nodes under an ancestor mask: here the prefix is the request's first
+    seq_lens[b] positions (the query's own K/V were written there first) and the one node is
+    masked out, so it contributes nothing. Sliding windows (no caller of ours uses them; the
+    target's own layers run in vLLM) take the reference path."""
+
+    # Not traced: the launch has not been run under torch.compile on a GPU yet, so a compiled
+    # caller runs it eagerly (a graph break), as it does vLLM's CPU ops.
+    @torch.compiler.disable
+    def attend(
+        self,
+        q: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        if window is not None and window > 0:
+            return super().attend(q, block_table, seq_lens, window)
+        from vllm_moa.kernels.tree_attention import tree_attention
+
+        rows, _, dim = q.shape
+        query = q.to(self.key.dtype)[:, None]  # [B, 1, H, D]
+        nothing = query.new_zeros(rows, 1, self.num_kv_heads, dim)
+        out = tree_attention(
+            query,
+            nothing,
+            nothing,
+            torch.zeros(rows, 1, 1, dtype=torch.bool, device=q.device),  # the node: masked
+            torch.ones(rows, dtype=torch.int32, device=q.device),
+            self.key.transpose(1, 2),  # [blocks, block_size, Hkv, D] views, any strides
+            self.value.transpose(1, 2),
+            block_table,
+            seq_lens,
+        )
+        return out[:, 0].to(q.dtype)
+
+
 class CpuPagedKV:
     """vLLM's CPU_ATTN ops over key/value views [num_blocks, Hkv, block_size, D] (the views
     vLLM's CPU backend makes of a cache, or `page_views`); `isa` picks the in-block
@@ -216,4 +258,7 @@ def pages_kv(
     """A store in one of the drafter's page layers, for the layer's attention backend."""
     if backend == "CPU_ATTN":
         return CpuPagedKV.for_pages(cache, num_kv_heads, head_dim, dtype)
-    return TorchPagedKV(*page_views(cache, num_kv_heads, head_dim))
+    from vllm_moa.model.layers import use_kernels
+
+    store = TritonPagedKV if use_kernels(cache.device) else TorchPagedKV
+    return store(*page_views(cache, num_kv_heads, head_dim))

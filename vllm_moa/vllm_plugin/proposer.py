@@ -455,6 +455,10 @@ class MoAVllmProposer:
             self._stores = {
                 name: pages.store(name, drafter.dtype, backend) for name in pages.fields
             }
+            logger.info(
+                "MoA drafter pages: %s",
+                ", ".join(f"{n} {type(s).__name__}" for n, s in self._stores.items()),
+            )
         return self._stores
 
     def _block_table(self, runner: Any, rows: list[int], key: tuple[int, int]) -> torch.Tensor:
