@@ -14,7 +14,10 @@ A table in a markdown file is generated when it sits between two markers naming 
     | ... generated ... |
     <!-- /results-table -->
 
-The table's columns follow the benchmark (`TABLES`); prose around it stays hand-written.
+The table's columns follow the benchmark (`TABLES`); prose around it stays hand-written. A
+testbed table may merge several runs: `<!-- results-table: testbed_cpu,testbed_cpu_tree -->`
+(one row per drafter; a later file's figures win; drafters of other seeds, `<method>_s<S>`,
+share their method's row: the mean, then each seed's value).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ DOCS = [
     ROOT / "benchmarks" / "TESTBED.md",
 ]
 MARKER = re.compile(
-    r"(<!-- results-table: (?P<name>[\w.-]+)(?: (?P<layout>[\w-]+))? -->\n)(?P<body>.*?)"
+    r"(<!-- results-table: (?P<name>[\w.,-]+)(?: (?P<layout>[\w-]+))? -->\n)(?P<body>.*?)"
     r"(<!-- /results-table -->)",
     re.S,
 )
@@ -239,6 +242,70 @@ def _serve_sweep_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
         yield ["all at once" if rate == "inf" else rate, *cells]
 
 
+TESTBED_NAMES = {
+    "moa_tli0": "MoA TLI=0",
+    "moa_tli1": "MoA TLI=1",
+    "moa_no_lsa": "MoA without LSA",
+    "eagle": "EAGLE",
+    "independent": "independent",
+    "griffin": "GRIFFIN",
+}
+SEED = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
+
+
+def _testbed_name(method: str) -> str:
+    for suffix, words in (("_slim", ", slim LSA"), ("_k3_8", ", K ~ U[3, 8]")):
+        if method.endswith(suffix):
+            return _testbed_name(method[: -len(suffix)]) + words
+    if method.endswith("_align"):
+        return _testbed_name(method[: -len("_align")]) + " + alignment"
+    return TESTBED_NAMES.get(method, method)
+
+
+def _testbed(runs: list[dict[str, Any]]) -> Iterator[list[Any]]:
+    """Greedy tau per drafter: chains of K=4 and K=6 and trees, the mean over seeds (each seed
+    in parentheses when there are several), and the ratios to EAGLE's means."""
+    taus: dict[str, dict[str, dict[int, float]]] = {}  # method -> setting -> seed -> tau
+    for data in runs:
+        seed0 = int((data.get("config") or {}).get("drafter_seed") or 0)
+        for key, settings in data["results"].items():
+            if key == "plain":
+                continue
+            match = SEED.match(key)
+            method, seed = (match["method"], int(match["seed"])) if match else (key, seed0)
+            for setting, r in settings.items():
+                if isinstance(r, dict) and "tau" in r:
+                    taus.setdefault(method, {}).setdefault(setting, {})[seed] = r["tau"]
+    columns = sorted({s for m in taus.values() for s in m}, key=lambda s: (s.startswith("t"), s))
+
+    def mean(method: str, setting: str) -> float | None:
+        seeds = taus.get(method, {}).get(setting)
+        return sum(seeds.values()) / len(seeds) if seeds else None
+
+    def title(setting: str) -> str:
+        if setting.startswith("k"):
+            return f"tau, K={setting[1:]}"
+        depth, breadth, budget = (int(x[1:]) for x in setting.split("_")[1:])
+        return f"trees ({depth}, {breadth}, {budget})"
+
+    yield ["drafter", "seeds", *map(title, columns), "x EAGLE"]
+    for method, settings in taus.items():
+        seeds = sorted({seed for by in settings.values() for seed in by})
+        cells = []
+        for setting in columns:
+            m, by = mean(method, setting), settings.get(setting, {})
+            cell = "" if m is None else f"{m:.2f}"
+            if m is not None and len(by) > 1:
+                cell += " (" + ", ".join(f"{by[s]:.2f}" for s in sorted(by)) + ")"
+            cells.append(cell)
+        ratios = []
+        for setting in columns:
+            m, e = mean(method, setting), mean("eagle", setting)
+            ratios.append(f"{m / e:.2f}" if m is not None and e else "-")
+        yield [_testbed_name(method), ", ".join(map(str, seeds)), *cells,
+               "1" if method == "eagle" else " / ".join(ratios)]  # fmt: skip
+
+
 # Layouts a marker may name after the results file (`<!-- results-table: NAME LAYOUT -->`).
 LAYOUTS: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
     "compact": _serve_sweep_compact,
@@ -252,20 +319,35 @@ TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
     "remote_links": _remote_links,
     "remote_capacity": _remote_capacity,
     "remote_disconnect": _remote_disconnect,
+    "testbed": lambda data: _testbed([data]),
 }
 
 
-def render_table(name: str, layout: str | None = None) -> str:
+def _load(name: str) -> dict[str, Any]:
     path = RESULTS / f"{name}.json"
     if not path.is_file():
         raise SystemExit(f"results-table marker names {name!r}, but {path} does not exist")
-    data = json.loads(path.read_text())
+    data: dict[str, Any] = json.loads(path.read_text())
+    return data
+
+
+def render_table(name: str, layout: str | None = None) -> str:
+    if "," in name:  # several testbed runs, merged
+        runs = [_load(n) for n in name.split(",")]
+        if any(r.get("benchmark") != "testbed" for r in runs):
+            raise SystemExit(f"results-table {name!r}: only testbed runs can be merged")
+        return _markdown(list(_testbed(runs)))
+    data = _load(name)
     if layout is not None and layout not in LAYOUTS:
         raise SystemExit(f"results-table marker names layout {layout!r}; known: {list(LAYOUTS)}")
     make = LAYOUTS[layout] if layout is not None else TABLES.get(data.get("benchmark", ""))
     if make is None:
         raise SystemExit(f"no table layout for benchmark {data.get('benchmark')!r} ({name})")
-    header, *body = list(make(data))
+    return _markdown(list(make(data)))
+
+
+def _markdown(rows: list[list[Any]]) -> str:
+    header, *body = rows
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in body]
     return "\n".join(lines) + "\n"

@@ -22,3 +22,13 @@ def test_a_marker_may_name_a_layout():
     assert compact.splitlines()[0].startswith("| requests/s | plain | MoA adaptive (default)")
     with pytest.raises(SystemExit, match="layout 'nope'"):
         render_table("serve_sweep_cpu_inflated", "nope")
+
+
+def test_testbed_runs_merge_with_seeds_averaged():
+    from benchmarks.results_index import render_table
+
+    table = render_table("testbed_cpu_slim_k3_8,testbed_cpu_slim_k3_8_s1,testbed_cpu_slim_k3_8_s2")
+    eagle = next(line for line in table.splitlines() if line.startswith("| EAGLE |"))
+    # the three seeds' K=4 tau: 2.36, 2.37, 2.26 (mean 2.33)
+    assert eagle.startswith("| EAGLE | 0, 1, 2 | 2.33 (2.36, 2.37, 2.26) |")
+    assert "| MoA TLI=1, slim LSA, K ~ U[3, 8] | 0, 1, 2 | 2.75 " in table
