@@ -92,7 +92,9 @@ class AlternatingCosts(StepCosts):
         self.calls += 1
         self.draft_step = 0.01 if self.calls % 2 else 10.0
 
-    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
+    def observe_draft(
+        self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
+    ) -> None:
         pass
 
 

@@ -14,6 +14,7 @@ from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.decoding.adaptive import (
     PROBE_EVERY,
     AcceptanceTracker,
+    AdaptiveLengths,
     Probes,
     StepCosts,
     choose_lengths,
@@ -71,6 +72,40 @@ def test_draft_phase_cost_grows_with_the_drafts_of_a_batch():
     for m in (1, 3, 2, 4) * 3:
         one.observe_draft(m, 0.5 + 0.12 * m)
     assert one.step_time(0, 3) - one.base == pytest.approx(0.5 + 0.36, rel=1e-3)
+
+
+def test_draft_phase_cost_separates_the_history_rows_written():
+    """c + d * m + e * s + r * w recovered when the rows written vary apart from the drafts
+    (requests that catch up on a prompt or a pause); without such variation r stays 0 and the
+    rows' cost is absorbed by the other terms, as before."""
+    c = StepCosts(forget=0.1)
+    for batch, rows in ((1, 3), (4, 200), (16, 20), (2, 90), (8, 12), (4, 5)):
+        for m in (1, 3, 2, 4):
+            s = m * batch
+            c.observe_draft(m, 0.5 + 0.1 * m + 0.02 * s + 0.001 * rows, s, rows)
+    assert (c.draft_base, c.draft_step, c.draft_each, c.draft_row) == pytest.approx(
+        (0.5, 0.1, 0.02, 0.001), rel=1e-3
+    )
+    assert c.step_time(0, 2, 8, rows=100) - c.base == pytest.approx(0.5 + 0.2 + 0.16 + 0.1)
+    flat = StepCosts(forget=0.1)
+    for m in (1, 3, 2, 4) * 3:
+        flat.observe_draft(m, 0.5 + 0.12 * m, m, 5)
+    assert flat.draft_row == 0.0 and flat.step_time(0, 3) - flat.base == pytest.approx(0.86)
+
+
+def test_a_long_catch_up_is_paid_only_where_the_steps_left_repay_it():
+    """Two requests that would draft: the one with 500 history rows to write first (e.g. its
+    prompt, 1 ms each) starts drafting only when it has enough tokens left to repay them."""
+    c = costs(base=1.0, per_token=0.001, draft_step=0.01)
+    for m, rows in ((1, 2), (4, 300), (2, 3), (3, 120), (1, 40)):
+        c.observe_draft(m, 0.01 * m + 0.001 * rows, m, rows)
+    assert c.draft_row == pytest.approx(0.001)
+    good = AcceptanceTracker(K, alpha=[0.8] * K)
+    lengths = AdaptiveLengths(K, c)
+    few = lengths.choose([good, good], [K, K], catch_up=[1, 501], remaining=[3, 3])
+    many = lengths.choose([good, good], [K, K], catch_up=[1, 501], remaining=[3000, 3000])
+    assert few[0] == K and few[1] == 0
+    assert many == [K, K]
 
 
 def test_rule_looks_past_a_first_draft_that_does_not_pay_for_the_fixed_cost():
@@ -220,7 +255,9 @@ class CheapDrafts(StepCosts):
     """Measured costs replaced by a drafter 20x cheaper than a verify step (the test oracle
     runs the whole target per draft: measured, it would rightly be turned off)."""
 
-    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
+    def observe_draft(
+        self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
+    ) -> None:
         super().observe_draft(1, 0.0005)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:

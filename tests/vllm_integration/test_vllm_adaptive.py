@@ -23,7 +23,9 @@ def cheap_drafts():
     from vllm_moa.decoding.adaptive import StepCosts
 
     class CheapDrafts(StepCosts):
-        def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
+        def observe_draft(
+            self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
+        ) -> None:
             super().observe_draft(1, 0.001)
 
         def observe_verify(self, tokens: int, seconds: float) -> None:

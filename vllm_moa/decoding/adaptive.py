@@ -14,14 +14,20 @@ Two online estimates feed one rule.
   while it does not draft. The prior itself learns from every request's drafts the same way
   (a mean of the first, then over about 50).
 - `StepCosts` (one per engine): the verify step's time as a + b * n for n tokens in it, and the
-  draft phase's as c + d * m + e * s for m draft steps and s drafts in all (least squares over
-  recent steps, exponentially forgotten; all requests draft together, so the draft steps cost
-  d each however many requests draft, and each draft e more).
+  draft phase's as c + d * m + e * s + r * w for m draft steps, s drafts in all and w history
+  rows written (least squares over recent steps, exponentially forgotten; all requests draft
+  together, so the draft steps cost d each however many requests draft, each draft e more, and
+  each row of the drafter's history, e.g. MoA's LSA memory, r).
 
 `choose_lengths` then maximises the batch's goodput, expected tokens per second,
 
-    G(k_1..k_B) = sum_r E_r(k_r) / (a + b * sum_r (1 + k_r) + [m > 0] (c + d * m + e * s)),
-    m = max_r k_r, s = sum_r k_r,
+    G(k_1..k_B) = sum_r E_r(k_r) /
+        (a + b * sum_r (1 + k_r) + [m > 0] (c + d * m + e * s + r * w) + sum_{r drafts} X_r),
+    m = max_r k_r, s = sum_r k_r, w = sum_{r drafts} E_r(k_r),
+
+where X_r is what request r pays once to start drafting: the rows it skipped while it did not
+draft (a prompt, a pause: r each), spread over the steps it has left, since they serve every
+later step (a long generation repays a long prompt's rows; a request about to finish does not).
 
 over k_r <= budget_r: for every candidate number of draft steps m in 0..K, each request takes
 the drafts whose expected extra tokens beat their verify cost at the current goodput, up to m;
@@ -154,28 +160,33 @@ class AcceptanceTracker:
 @dataclass
 class StepCosts:
     """Online step-cost model (seconds): the verify step a + b * tokens, and the draft phase
-    c + d * m + e * s for m draft steps and s drafts in all (everything a step with drafts
-    costs beyond the verify step: for MoA the history rows written, the draft steps over the
-    drafting requests, bookkeeping; e is what makes drafting for a large batch cost more).
-    Least squares over recent steps, exponentially forgotten. b is 0 until the steps seen vary
-    enough in size to tell; the draft phase falls back to c + d * m, then to a mean ratio d,
-    when m (or s apart from m: not at batch 1) has not varied enough to tell, or a fit would
-    need a negative coefficient."""
+    c + d * m + e * s + r * w for m draft steps, s drafts in all and w history rows written
+    (everything a step with drafts costs beyond the verify step: for MoA the rows of the tokens
+    just verified, and of those a request skipped while it did not draft, the draft steps over
+    the drafting requests, bookkeeping; e is what makes drafting for a large batch cost more, r
+    what makes a request that starts drafting after a long prompt or pause cost more). Least
+    squares over recent steps, exponentially forgotten. b is 0 until the steps seen vary enough
+    in size to tell; each of e and r is fitted only once its regressor has varied apart from
+    those before it (at batch 1, s = m), and the draft phase falls back to c + d * m, then to a
+    mean ratio d, when m has not varied enough to tell, or a fit would need a negative
+    coefficient."""
 
     forget: float = 0.05  # weight of each new observation in the running moments
-    min_spread: float = 0.4  # std of n (of m, s) below which b (c and d, e) is not identified
+    min_spread: float = 0.4  # std of n (of m, s, w) below which b (c and d, e, r) is not identified
     _w: float = 0.0
     _n: float = 0.0
     _t: float = 0.0
     _nn: float = 0.0
     _nt: float = 0.0
-    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
-    _xt: list[float] = field(default_factory=lambda: [0.0] * 3)
+    # Running moments of the draft phases' regressors x = (1, m, s, w) and of x * seconds.
+    _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
+    _xt: list[float] = field(default_factory=lambda: [0.0] * 4)
     base: float = 0.0  # a (the fit of the verify steps, updated with each)
     per_token: float = 0.0  # b
     draft_base: float = 0.0  # c
     draft_step: float = 0.0  # d
     draft_each: float = 0.0  # e
+    draft_row: float = 0.0  # r
     _draft_seen: bool = False
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
@@ -191,55 +202,72 @@ class StepCosts:
             self.per_token = max(0.0, (self._nt - self._n * self._t) / var)
         self.base = max(self._t - self.per_token * self._n, 0.0)
 
-    def observe_draft(self, steps: int, seconds: float, drafts: int | None = None) -> None:
+    def observe_draft(
+        self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
+    ) -> None:
         """A draft phase of `steps` draft steps and `drafts` drafts over all requests (default:
-        one request, drafts = steps) that took `seconds`."""
+        one request, drafts = steps) that wrote `rows` history rows and took `seconds`."""
         if steps <= 0:
             return
         f = self.forget if self._draft_seen else 1.0
         self._draft_seen = True
-        x = (1.0, float(steps), float(steps if drafts is None else drafts))
-        for i in range(3):
+        x = (1.0, float(steps), float(steps if drafts is None else drafts), float(rows))
+        for i in range(4):
             self._xt[i] += f * (x[i] * seconds - self._xt[i])
-            for j in range(3):
+            for j in range(4):
                 self._xx[i][j] += f * (x[i] * x[j] - self._xx[i][j])
-        xx = self._xx
-        var_m = xx[1][1] - xx[0][1] ** 2
-        var_s = xx[2][2] - xx[0][2] ** 2
-        cov = xx[1][2] - xx[0][1] * xx[0][2]
-        sizes = []  # the fits the data identify: m must vary; for e, s must vary apart from m
-        if var_m >= self.min_spread**2:
-            if var_s - cov * cov / var_m >= self.min_spread**2:
-                sizes.append(3)
-            sizes.append(2)
-        for size in sizes:
-            fit = _least_squares(xx, self._xt, size)
-            if fit is not None and min(fit) >= 0:
-                self.draft_base, self.draft_step = fit[0], fit[1]
-                self.draft_each = fit[2] if size == 3 else 0.0
+        # The richest fit the data identify: (c, d, e, r), (c, d, r), (c, d, e), (c, d).
+        for cols in ((0, 1, 2, 3), (0, 1, 3), (0, 1, 2), (0, 1)):
+            if not self._identified(cols):
+                continue
+            fit = _least_squares(self._xx, self._xt, cols)
+            if fit is not None and min(fit) >= -1e-12:  # a zero coefficient, up to rounding
+                coef = {col: max(0.0, x) for col, x in zip(cols, fit, strict=True)}
+                self.draft_base, self.draft_step = coef[0], coef[1]
+                self.draft_each, self.draft_row = coef.get(2, 0.0), coef.get(3, 0.0)
                 return
-        self.draft_base, self.draft_each = 0.0, 0.0
-        self.draft_step = self._xt[0] / xx[0][1]  # mean time / mean steps
+        self.draft_base, self.draft_each, self.draft_row = 0.0, 0.0, 0.0
+        self.draft_step = self._xt[0] / self._xx[0][1]  # mean time / mean steps
+
+    def _identified(self, cols: tuple[int, ...]) -> bool:
+        """Whether every regressor of `cols` after the constant varies apart from those before
+        it by at least `min_spread` (the pivots of their covariance matrix, eliminated in
+        order, are these conditional variances)."""
+        xx, rest = self._xx, cols[1:]
+        cov = [[xx[i][j] - xx[0][i] * xx[0][j] for j in rest] for i in rest]
+        for p in range(len(rest)):
+            if cov[p][p] < self.min_spread**2:
+                return False
+            for r in range(p + 1, len(rest)):
+                factor = cov[r][p] / cov[p][p]
+                for c in range(p, len(rest)):
+                    cov[r][c] -= factor * cov[p][c]
+        return True
 
     @property
     def known(self) -> bool:
         return self._w > 0 and self._draft_seen
 
-    def step_time(self, tokens: int, draft_steps: int, drafts: int | None = None) -> float:
+    def step_time(
+        self, tokens: int, draft_steps: int, drafts: int | None = None, rows: float = 0.0
+    ) -> float:
         """A step verifying `tokens` after `draft_steps` draft steps of `drafts` drafts in all
-        (default: one request's, = draft_steps)."""
+        (default: one request's, = draft_steps) that wrote `rows` history rows."""
         if not draft_steps:
             return self.base + self.per_token * tokens
         each = self.draft_each * (draft_steps if drafts is None else drafts)
-        draft = self.draft_base + self.draft_step * draft_steps + each
+        draft = self.draft_base + self.draft_step * draft_steps + each + self.draft_row * rows
         return self.base + self.per_token * tokens + draft
 
 
-def _least_squares(xx: list[list[float]], xt: list[float], size: int) -> list[float] | None:
-    """Solve the first `size` normal equations (second moments xx, cross moments xt); None if
-    singular."""
-    a = [[xx[i][j] for j in range(size)] for i in range(size)]
-    b = list(xt[:size])
+def _least_squares(
+    xx: list[list[float]], xt: list[float], cols: tuple[int, ...]
+) -> list[float] | None:
+    """Solve the normal equations of the regressors `cols` (second moments xx, cross moments
+    xt); None if singular."""
+    size = len(cols)
+    a = [[xx[i][j] for j in cols] for i in cols]
+    b = [xt[i] for i in cols]
     for col in range(size):  # Gaussian elimination, partial pivoting
         pivot = max(range(col, size), key=lambda r: abs(a[r][col]))
         if abs(a[pivot][col]) < 1e-18:
@@ -257,15 +285,38 @@ def _least_squares(xx: list[list[float]], xt: list[float], size: int) -> list[fl
 
 
 def choose_lengths(
-    trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts
+    trackers: list[AcceptanceTracker],
+    budgets: list[int],
+    costs: StepCosts,
+    entry: list[float] | None = None,
 ) -> list[int]:
     """Drafts per request (0..budget) maximising expected tokens per second; see the module
-    docstring. Before the costs are known, every request drafts its budget (static K)."""
+    docstring. `entry`: seconds a request pays once if it drafts now (its history rows to
+    catch up, spread over the steps it has left). Before the costs are known, every request
+    drafts its budget (static K)."""
     if not trackers:
         return []
     if not costs.known:
         return list(budgets)
-    return _best_lengths(trackers, budgets, costs)
+    return _best_lengths(trackers, budgets, costs, entry or [0.0] * len(trackers))
+
+
+def entry_costs(
+    trackers: list[AcceptanceTracker],
+    budgets: list[int],
+    costs: StepCosts,
+    catch_up: list[int],
+    remaining: list[int],
+) -> list[float]:
+    """Each request's one-time cost of drafting now: its `catch_up` history rows (r each),
+    spread over the steps it has left (`remaining` tokens at the tokens a step would give it):
+    the rows serve every later step too, so a long generation repays them and a request about
+    to finish does not."""
+    out = []
+    for t, b, c, left in zip(trackers, budgets, catch_up, remaining, strict=True):
+        steps = max(1.0, left / t.expected_tokens(b)) if b else 1.0
+        out.append(costs.draft_row * max(c - 1, 0) / steps)  # the newest row: a step's own
+    return out
 
 
 PROBE_EVERY = 32  # steps between probes, at first
@@ -343,9 +394,15 @@ class AdaptiveLengths:
         trackers: list[AcceptanceTracker],
         budgets: list[int],
         catch_up: list[int] | None = None,
+        remaining: list[int] | None = None,
     ) -> list[int]:
-        """Drafts per request this step: the goodput rule, or a probe while it drafts nothing."""
-        ks = choose_lengths(trackers, budgets, self.costs)
+        """Drafts per request this step: the goodput rule, or a probe while it drafts nothing.
+        `catch_up`: history rows each request must write before it drafts (1 when it drafted
+        the step before); `remaining`: tokens each may still generate."""
+        entry = None
+        if catch_up is not None and remaining is not None and self.costs.known:
+            entry = entry_costs(trackers, budgets, self.costs, catch_up, remaining)
+        ks = choose_lengths(trackers, budgets, self.costs, entry)
         step = self.costs.step_time(len(budgets), 0) if self.costs.known else 0.0
         ks = self.probes.apply(ks, budgets, catch_up, step)
         for k in ks:
@@ -366,14 +423,15 @@ class AdaptiveLengths:
 
 
 def _best_lengths(
-    trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts
+    trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts, entry: list[float]
 ) -> list[int]:
     """One pass per number of draft steps m = 1, 2, ..., K: every request takes its leading
     drafts (up to m) whose expected tokens beat their verify cost at the best goodput so far
-    (a lower bound of the optimum's, so the rule errs towards drafting); the best m wins (a
-    fixed draft-phase cost can make m = 1 lose and m = 3 win, so every m is tried, until no
-    request takes draft m). Per-depth totals make each m O(K); O(batch * K) each time the best
-    goodput rises."""
+    (the first also its entry cost; a lower bound of the optimum's goodput, so the rule errs
+    towards drafting); the best m wins (a fixed draft-phase cost can make m = 1 lose and m = 3
+    win, so every m is tried, until no request takes draft m). A drafting request writes the
+    history rows of the tokens it gets (about its expected tokens: `draft_row` each). Per-depth
+    totals make each m O(K); O(batch * K) each time the best goodput rises."""
     n_req = len(trackers)
     best_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
     per_draft = costs.per_token + costs.draft_each
@@ -383,7 +441,7 @@ def _best_lengths(
     candidates = [
         (i, t.gains(b))
         for i, (t, b) in enumerate(zip(trackers, budgets, strict=True))
-        if b and t.first_bound() > floor
+        if b and t.first_bound() > floor + best_rate * entry[i]
     ]
     ks = [0] * n_req
     if not candidates:
@@ -394,18 +452,23 @@ def _best_lengths(
     for m in range(1, depth + 1):
         if best_rate * per_draft != threshold:  # (re)take the drafts that pay at this rate
             threshold = best_rate * per_draft
-            lengths = [_take_while(g, threshold) for _, g in candidates]
+            lengths = [_take_while(g, threshold, best_rate * entry[i]) for i, g in candidates]
             taking = [0] * (depth + 1)  # requests that take draft j
             gained = [0.0] * (depth + 1)  # their expected extra tokens from it
             for n, (_, g) in zip(lengths, candidates, strict=True):
                 for j in range(n):
                     taking[j + 1] += 1
                     gained[j + 1] += g[j]
+            # what the requests that draft pay once (entry) and their rows of a step (1 each)
+            entering = sum(entry[i] for n, (i, _) in zip(lengths, candidates, strict=True) if n)
         if not taking[m]:  # nobody takes draft m: deeper steps cannot pay either
             break
         drafts = sum(taking[1 : m + 1])
-        expected = n_req + sum(gained[1 : m + 1])
-        rate = expected / max(costs.step_time(n_req + drafts, m, drafts), 1e-12)
+        extra = sum(gained[1 : m + 1])
+        expected = n_req + extra
+        rows = taking[1] + extra  # each drafting request's verified tokens
+        step = costs.step_time(n_req + drafts, m, drafts, rows) + entering
+        rate = expected / max(step, 1e-12)
         if rate > best_rate * (1.0 + 1e-9):
             best_rate, best_m, best_lengths = rate, m, lengths
     if best_m:
@@ -414,11 +477,12 @@ def _best_lengths(
     return ks
 
 
-def _take_while(gains: list[float], threshold: float) -> int:
-    """How many leading drafts each return more expected tokens than `threshold` costs."""
+def _take_while(gains: list[float], threshold: float, first: float = 0.0) -> int:
+    """How many leading drafts each return more expected tokens than `threshold` costs (the
+    first also `first` more: the request's entry cost)."""
     k = 0
     for g in gains:
-        if g <= threshold:
+        if g <= threshold + (first if k == 0 else 0.0):
             break
         k += 1
     return k

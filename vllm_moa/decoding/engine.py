@@ -162,17 +162,22 @@ class SpeculativeEngine:
             if no_drafts:
                 k = 0
             elif adaptive and k >= 1:
-                k = lengths.choose([tracker], [k])[0]
+                catch_up = len(behind.tokens) if behind is not None else 0
+                remaining = max_new_tokens - len(generated)
+                k = lengths.choose([tracker], [k], [catch_up + 1], [remaining])[0]
             drafted_before = stats.num_draft_tokens
             if k >= 1 and behind is not None:
                 began = time.perf_counter()
+                backlog = len(behind.tokens)
                 behind.flush()
                 caught_up = time.perf_counter() - began
                 if tree is not None:
                     new = self._speculate_tree(last, position, k, tree, params, gen, stats)
                 else:
                     timed = costs if adaptive else None
-                    new = self._speculate(last, position, k, params, gen, stats, timed)
+                    new = self._speculate(
+                        last, position, k, params, gen, stats, timed, (backlog, caught_up)
+                    )
                 if adaptive and probes.probing:
                     probes.spent(caught_up + costs.step_time(0, k) - costs.base)
             else:  # plain decoding, a cycle of 0 drafts, or the last token (no room to draft)
@@ -220,10 +225,12 @@ class SpeculativeEngine:
         gen: torch.Generator,
         stats: GenerationStats,
         costs: StepCosts | None = None,
+        backlog: tuple[int, float] = (0, 0.0),
     ) -> list[int]:
         """One draft + verify cycle from `last` at `position` (k = 0: a plain step through the
         proposer); returns the emitted tokens. `costs`: record the verify time and the draft
-        phase's (drafting, and the proposer's bookkeeping of the verified tokens)."""
+        phase's (drafting, the proposer's bookkeeping of the verified tokens, and `backlog`:
+        the rows of plain cycles it caught up on just before, and the seconds that took)."""
         assert self.proposer is not None
         started = time.perf_counter()
         proposal = self.proposer.propose(last, k, params, gen)
@@ -245,7 +252,8 @@ class SpeculativeEngine:
         self.proposer.accept(proposal.tokens[:a], out.select(list(range(a + 1))))
         if costs is not None:
             costs.observe_verify(n + 1, verified - drafted)
-            costs.observe_draft(n, drafted - started + time.perf_counter() - verified)
+            phase = drafted - started + time.perf_counter() - verified + backlog[1]
+            costs.observe_draft(n, phase, rows=backlog[0] + a + 1)
         stats.record_cycle(n, a)
         return [*proposal.tokens[:a], verdict.next_token]
 

@@ -289,10 +289,10 @@ class MoAVllmProposer:
         self._write_pages(runner, states, pending)
         chains = self._draft(runner, rows, states, pending, budgets)
         done = time.perf_counter()
-        # The draft phase: rows written for the tokens just verified, then the draft steps. A
-        # step that also wrote the rows a request skipped while not drafting is not typical.
-        if max(len(p) for p in pending) <= self.num_speculative_tokens + 1:
-            self.lengths.costs.observe_draft(max(budgets), done - began, sum(budgets))
+        # The draft phase: rows written for the tokens just verified (and for those a request
+        # skipped while it did not draft), then the draft steps.
+        written = sum(len(p) - 1 for p in pending)
+        self.lengths.costs.observe_draft(max(budgets), done - began, sum(budgets), written)
         if self.adaptive and self.lengths.probes.probing:
             self.lengths.probes.spent(done - began)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
@@ -349,7 +349,9 @@ class MoAVllmProposer:
             # Decode steps only: a prompt chunk's per-token cost is not a draft's.
             self.lengths.costs.observe_verify(tokens, time.perf_counter() - started)
         trackers: list[AcceptanceTracker] = []
-        catch_up: list[int] = []  # a probe writes the rows its request skipped: the cheapest
+        catch_up: list[int] = []  # rows to write before drafting (1: it drafted last step)
+        remaining: list[int] = []  # tokens each request may still generate
+        requests = runner.requests
         for row, state, n in zip(rows, states, lengths, strict=True):
             tracker = state.tracker
             if tracker is None:
@@ -358,7 +360,12 @@ class MoAVllmProposer:
             tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
             trackers.append(tracker)
             catch_up.append(n - state.written)
-        ks = self.lengths.choose(trackers, budgets, catch_up)
+            request = requests[req_ids[row]]
+            params = request.sampling_params
+            limit = params.max_tokens if params is not None else None
+            left = self.max_model_len - n
+            remaining.append(min(left, limit - len(request.output_token_ids)) if limit else left)
+        ks = self.lengths.choose(trackers, budgets, catch_up, remaining)
         if self.tp > 1:  # the lengths follow each rank's own timings: rank 0's decide
             ks = same_on_every_rank(ks)
         if time.monotonic() - self._chosen_logged > 30.0:

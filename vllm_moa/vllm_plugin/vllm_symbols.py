@@ -804,6 +804,25 @@ SYMBOLS: tuple[Symbol, ...] = (
         "dataclass-field",
         used_by="proposer",
     ),
+    # Adaptive speculation: the tokens a request may still generate.
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "CachedRequestState.sampling_params",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_input_batch.py",
+        "CachedRequestState.output_token_ids",
+        "dataclass-field",
+        used_by="proposer",
+    ),
+    Symbol(
+        "vllm/sampling_params.py",
+        "SamplingParams.max_tokens",
+        "dataclass-field",
+        used_by="proposer",
+    ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.block_table",
