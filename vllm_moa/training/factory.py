@@ -54,8 +54,10 @@ def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
 
 def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Path:
     """The trained drafter, with the chain lengths MoA's bounded cross-attention was trained for
-    (K ~ U[refresh_min, refresh_max]) recorded in its config.json."""
-    training = None
+    (K ~ U[refresh_min, refresh_max]) and any token alignment recorded in its config.json."""
+    training: dict[str, int] = {}
     if isinstance(method.model, MoADrafter):
         training = {"refresh_min": cfg.refresh_min, "refresh_max": cfg.refresh_max}
-    return save_drafter(method.model, out, training=training)
+    if cfg.align_steps > 1:
+        training |= {"align_steps": cfg.align_steps, "align_topk": cfg.align_topk}
+    return save_drafter(method.model, out, training=training or None)
