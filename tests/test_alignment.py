@@ -10,12 +10,14 @@ from conftest import make_drafter, make_hf_model
 from vllm_moa.decoding import make_proposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.model.masks import aligned_pass_mask, bounded_memory_limits
 from vllm_moa.model.presets import (
     TargetInfo,
     make_eagle_config,
+    make_griffin_config,
     make_independent_config,
 )
 from vllm_moa.training.alignment import (
@@ -132,6 +134,7 @@ def _drafter(kind: str):
         return make_drafter(target, tli=1 if kind == "moa_tli1" else 0, seed=2)
     module, make = {
         "eagle": (EagleDrafter, make_eagle_config),
+        "griffin": (GriffinDrafter, make_griffin_config),
         "independent": (IndependentDrafter, make_independent_config),
     }[kind]
     drafter = module(make(info, "small"))
@@ -147,7 +150,7 @@ def _chain(drafter, target, prefix: list[int], steps: int, forced: list[int]) ->
     return proposer.propose(prefix[-1], steps, SamplingParams(), None, forced=forced).logits
 
 
-@pytest.mark.parametrize("kind", ["eagle", "independent", "moa", "moa_tli1"])
+@pytest.mark.parametrize("kind", ["eagle", "griffin", "independent", "moa", "moa_tli1"])
 def test_aligned_passes_are_the_inference_drafts(kind):
     """Pass n's logits at t are the n-th draft of a proposer whose cycle starts at t - n + 1
     (forced along the data's tokens), and pass n's mask at t says whether the data's tokens
@@ -182,7 +185,7 @@ def test_aligned_passes_are_the_inference_drafts(kind):
     assert masks_seen == {True, False}  # the example exercises both
 
 
-@pytest.mark.parametrize("kind", ["eagle", "independent", "moa_tli1"])
+@pytest.mark.parametrize("kind", ["eagle", "griffin", "independent", "moa_tli1"])
 def test_align_steps_one_is_the_training_without_alignment(kind):
     """The trainer's loss at align_steps = 1 is exactly the unaligned formula, and the aligned
     path at one step gives the same number to the bit."""

@@ -183,12 +183,12 @@ def _losses(out):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "options",
-    [("--tli", "1"), ("--method", "eagle", "--align-steps", "3")],
-    ids=["tli1", "eagle"],
+    [("--tli", "1"), ("--method", "griffin", "--align-steps", "3")],
+    ids=["tli1", "griffin"],
 )
 def test_resume_after_sigkill_reproduces_the_losses(tmp_path, tiny_target_dir, options):
-    """Also with token-aligned training (EAGLE, 3 passes): its masks are functions
-    of the weights and the batch, so a resumed run logs the same losses."""
+    """Also with token-aligned training (GRIFFIN's drafter, 3 passes): its masks are
+    functions of the weights and the batch, so a resumed run logs the same losses."""
     import sysconfig
 
     data = [os.path.join(sysconfig.get_paths()["stdlib"], n) for n in ("csv.py", "glob.py")]
@@ -246,6 +246,7 @@ def test_resume_after_sigkill_reproduces_the_losses(tmp_path, tiny_target_dir, o
         ("moa", ("--tli", "1", "--memory-source", "hidden")),
         ("eagle", ()),
         ("independent", ()),
+        ("griffin", ("--align-steps", "2", "--align-topk", "3")),
         ("moa", ("--align-steps", "3")),
         ("eagle", ("--align-steps", "3", "--align-topk", "2")),
         ("independent", ("--align-steps", "2")),

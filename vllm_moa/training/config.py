@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-Method = Literal["moa", "eagle", "independent"]
+Method = Literal["moa", "eagle", "griffin", "independent"]
 Preset = Literal["small", "paper"]  # vllm_moa/model/presets.py PRESETS
 MemorySource = Literal["lsa", "hidden"]  # vllm_moa/drafters/moa/config.py MEMORY_SOURCES
 Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autocast
