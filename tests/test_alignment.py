@@ -59,7 +59,7 @@ def test_mask_matches_a_hand_computed_example():
     hits1, hits2 = topk_hits(pass1, ids, 2), topk_hits(pass2, ids, 2)
     assert hits1.tolist() == [[T, F, T, T, F, F]]  # the last position has no next token
     assert hits2.tolist() == [[F, T, F, T, T, F]]
-    m1, m2, m3 = chained_masks([hits1, hits2], ids.shape)
+    m1, m2, m3 = chained_masks([hits1, hits2], ids.shape, ids.device)
     assert m1.tolist() == [[T] * 6]
     assert m2.tolist() == [[F, T, F, T, T, F]]
     assert m3.tolist() == [[F, F, T, F, T, T]]

@@ -62,11 +62,13 @@ def _shifted(x: torch.Tensor, d: int) -> torch.Tensor:
     return F.pad(x[:, : x.shape[1] - d], (d, 0), value=False)
 
 
-def chained_masks(hits: Sequence[torch.Tensor], shape: torch.Size) -> list[torch.Tensor]:
+def chained_masks(
+    hits: Sequence[torch.Tensor], shape: torch.Size, device: torch.device
+) -> list[torch.Tensor]:
     """The masks m of passes 1..len(hits)+1, each [B, T] (`shape`), from the hits of passes
     1..len(hits): m_1 = all; m_{n+1}[t] = m_n[t-1] & hits_n[t-1], so
     m_n[t] = prod_{d=1}^{n-1} hits_{n-d}[t-d]. A cycle cannot start before position 0."""
-    masks = [torch.ones(shape, dtype=torch.bool, device=hits[0].device if hits else None)]
+    masks = [torch.ones(shape, dtype=torch.bool, device=device)]
     for hit in hits:
         masks.append(_shifted(masks[-1] & hit, 1))
     return masks
@@ -89,7 +91,8 @@ def coinciding_passes(
     the data's tokens is its forward at that position): the same logits under the masks of
     passes 1..steps."""
     hits = topk_hits(out.logits, input_ids, topk, out.valid)
-    return [AlignedPass(out, m) for m in chained_masks([hits] * (steps - 1), hits.shape)]
+    masks = chained_masks([hits] * (steps - 1), hits.shape, hits.device)
+    return [AlignedPass(out, m) for m in masks]
 
 
 @dataclass

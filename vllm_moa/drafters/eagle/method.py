@@ -93,9 +93,8 @@ class EagleMethod(Method[EagleDrafter]):
         outs = [self._output(r, truth) for r in raw]
         ids = batch.input_ids.to(truth.device)
         hits = [topk_hits(o.logits, ids, topk, o.valid) for o in outs[:-1]]
-        return [
-            AlignedPass(o, m) for o, m in zip(outs, chained_masks(hits, ids.shape), strict=True)
-        ]
+        masks = chained_masks(hits, ids.shape, ids.device)
+        return [AlignedPass(o, m) for o, m in zip(outs, masks, strict=True)]
 
     def _unrolled(
         self,
