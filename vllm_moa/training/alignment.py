@@ -33,8 +33,6 @@ import torch.nn.functional as F
 from vllm_moa.training.losses import masked_kl, masked_smooth_l1
 from vllm_moa.training.methods import DraftForward
 
-DEFAULT_TOPK = 3  # the paper's k (Table 3's best; the released code's --topk_train)
-
 
 @dataclass
 class AlignedPass:
