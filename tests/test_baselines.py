@@ -1,4 +1,5 @@
-"""EAGLE and independent baselines: lossless decoding, incremental state, training alignment."""
+"""EAGLE, GRIFFIN and independent baselines: lossless decoding, incremental state, training
+alignment."""
 
 import functools
 
@@ -12,17 +13,28 @@ from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.method import EagleMethod
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle.proposer import EagleProposer
+from vllm_moa.drafters.griffin.method import GriffinMethod
+from vllm_moa.drafters.griffin.model import GriffinDrafter
+from vllm_moa.drafters.griffin.proposer import GriffinProposer
 from vllm_moa.drafters.independent.method import IndependentMethod
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.independent.proposer import IndependentProposer
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.model.masks import bounded_memory_limits
-from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
+from vllm_moa.model.presets import (
+    TargetInfo,
+    make_eagle_config,
+    make_griffin_config,
+    make_independent_config,
+)
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl
 
 VOCAB = 12  # small, so random drafts are often right and every acceptance path runs
 PROMPTS = [[1, 5, 3], [7] * 9, list(range(12)) * 2]
+KINDS = ["eagle", "griffin", "independent"]
+PROPOSERS = {"eagle": EagleProposer, "griffin": GriffinProposer, "independent": IndependentProposer}
+METHODS = {"eagle": EagleMethod, "griffin": GriffinMethod, "independent": IndependentMethod}
 
 
 @functools.cache
@@ -65,6 +77,10 @@ def _trained(kind):
         d = EagleDrafter(make_eagle_config(info, "small"))
         d.init_weights(0)
         return _distil(EagleMethod(d, target, 0.0), target)
+    if kind == "griffin":
+        g = GriffinDrafter(make_griffin_config(info, "small"))
+        g.init_weights(0)
+        return _distil(GriffinMethod(g, target, 0.0), target)
     d = IndependentDrafter(make_independent_config(info, "small"))
     d.init_weights(0)
     return _distil(IndependentMethod(d, target), target)
@@ -74,11 +90,11 @@ def _drafter(kind, target, seed=0):
     return _trained(kind)
 
 
-@pytest.mark.parametrize("kind", ["eagle", "independent"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_equality(target, kind, k):
     proposer = make_proposer(_drafter(kind, target), target)
-    assert isinstance(proposer, EagleProposer if kind == "eagle" else IndependentProposer)
+    assert type(proposer) is PROPOSERS[kind]
     accepted = 0
     for prompt in PROMPTS:
         plain = SpeculativeEngine(target).generate(prompt, 30).token_ids
@@ -102,14 +118,12 @@ def _record(proposer):
     return cycles
 
 
-@pytest.mark.parametrize("kind", ["eagle", "independent"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_training_forward_equals_inference_drafts(target, kind):
     """Under the K-bounded memory limits of a real generation, the training forward (EAGLE:
     unrolled over stale steps) reproduces the drafts' logits where the drafts were accepted."""
     drafter = _drafter(kind, target)
-    method = (
-        EagleMethod(drafter, target, 0.0) if kind == "eagle" else IndependentMethod(drafter, target)
-    )
+    method = METHODS[kind](drafter, target, 0.0)
     checked = accepted = 0
     for prompt in ([2, 9, 4, 4], [0, 11, 6, 1], *PROMPTS):
         proposer = make_proposer(drafter, target)
@@ -155,7 +169,7 @@ def test_eagle_unroll_is_needed(target):
     assert same[: len(PROMPTS[2]) + 1].all() and not same.all()
 
 
-@pytest.mark.parametrize("kind", ["eagle", "independent"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("tree", [TreeParams(3, 2, 5), TreeParams(4, 4, 12), TreeParams(6, 8, 62)])
 def test_tree_greedy_equality(target, kind, tree):
     proposer = make_proposer(_drafter(kind, target), target)
@@ -168,7 +182,7 @@ def test_tree_greedy_equality(target, kind, tree):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle", "independent"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_breadth_one_tree_is_the_greedy_chain(target, kind):
     """A tree of breadth 1 is the greedy chain: same tokens at every cycle of a generation, so
     each expansion saw exactly its ancestors (and, for EAGLE, its parent's predicted feature)."""
@@ -194,7 +208,7 @@ def test_breadth_one_tree_is_the_greedy_chain(target, kind):
         assert tree.tokens == proposal.tokens[: tree.size]
 
 
-@pytest.mark.parametrize("kind", ["moa", "moa_sliding_window", "eagle", "independent"])
+@pytest.mark.parametrize("kind", ["moa", "moa_sliding_window", *KINDS])
 def test_tree_node_scores_are_forced_chain_log_probs(target, kind):
     """Breadth 3: every node's joint log-probability equals the one a fresh chain proposer gives
     its path when forced to draft exactly those tokens, so each expanded node saw the prefix and

@@ -95,3 +95,24 @@ def test_convert_official_errors(tmp_path, llama_target):
     _write_official(tmp_path / "src", drafter, bad)
     with pytest.raises(ValueError, match=r"Ekv2E takes 128 inputs but the target's 2\*E_kv is 256"):
         convert_official(tmp_path / "src", tmp_path / "out")
+
+
+def test_griffin_round_trip_and_validation(tmp_path, llama_target):
+    """A GRIFFIN drafter saves its fusion and two-headed layer, loads back to the same weights,
+    passes the server-side check, and is recognised as its own kind."""
+    from vllm_moa.checkpoint.validate import check_drafter_dir
+    from vllm_moa.drafters import kind_of
+    from vllm_moa.drafters.griffin.model import GriffinDrafter
+    from vllm_moa.model.presets import TargetInfo, make_griffin_config
+
+    info = TargetInfo(llama_target.shape, llama_target.config.num_attention_heads)
+    drafter = GriffinDrafter(make_griffin_config(info, "small"))
+    drafter.init_weights(4)
+    save_drafter(drafter, tmp_path / "g")
+    config = json.loads((tmp_path / "g" / "config.json").read_text())
+    assert config["model_type"] == "griffin_drafter" and config["tgf_intermediate_size"] > 0
+    assert check_drafter_dir(tmp_path / "g", llama_target.shape) == drafter.config
+    loaded = load_drafter(tmp_path / "g", target=llama_target.shape)
+    assert type(loaded) is GriffinDrafter and kind_of(loaded).name == "griffin"
+    assert loaded.config == drafter.config and _same_weights(loaded, drafter)
+    assert {k.split(".")[0] for k in loaded.state_dict()} == {"fc", "tgf", "layer"}

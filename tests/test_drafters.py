@@ -12,6 +12,7 @@ from vllm_moa.model.presets import (
     TargetInfo,
     make_config,
     make_eagle_config,
+    make_griffin_config,
     make_independent_config,
 )
 from vllm_moa.training.config import METHODS
@@ -25,20 +26,21 @@ def test_every_kind_is_trainable_and_named_once():
         assert kind.model_type == kind.config_class().MODEL_TYPE
 
 
-@pytest.mark.parametrize("name", ["moa", "eagle", "independent"])
+@pytest.mark.parametrize("name", ["moa", "eagle", "griffin", "independent"])
 def test_each_kind_builds_its_proposer_and_training_method(name):
     target = HFTarget(make_hf_model())
     info = TargetInfo(target.shape, target.config.num_attention_heads)
     makers = {
         "moa": make_config,
         "eagle": make_eagle_config,
+        "griffin": make_griffin_config,
         "independent": make_independent_config,
     }
     kind = BY_NAME[name]
     drafter = kind.module_class()(makers[name](info, "small"))
     assert kind_of(drafter) is kind
-    assert isinstance(make_proposer(drafter, target), kind.proposer_class())
-    assert isinstance(method_for(drafter, target), kind.method_class())
+    assert type(make_proposer(drafter, target)) is kind.proposer_class()
+    assert type(method_for(drafter, target)) is kind.method_class()
 
 
 def test_an_unregistered_module_is_refused_by_name():

@@ -21,11 +21,17 @@ from vllm_moa.checkpoint import save_drafter
 from vllm_moa.decoding import SamplingParams, SpeculativeEngine
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.hf_target.adapter import TreeInput
 from vllm_moa.model.kv_cache import KVCache
-from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
+from vllm_moa.model.presets import (
+    TargetInfo,
+    make_eagle_config,
+    make_griffin_config,
+    make_independent_config,
+)
 from vllm_moa.remote import protocol
 from vllm_moa.remote.client import RemoteClient, RemoteError
 from vllm_moa.remote.protocol import Finish, ProtocolError, QTensor
@@ -151,6 +157,9 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     eagle = EagleDrafter(make_eagle_config(info, preset="small"))
     eagle.init_weights(5)
     paths["eagle"] = save_drafter(eagle, base / "eagle")
+    griffin = GriffinDrafter(make_griffin_config(info, preset="small"))
+    griffin.init_weights(7)
+    paths["griffin"] = save_drafter(griffin, base / "griffin")
     independent = IndependentDrafter(make_independent_config(info, preset="small"))
     independent.init_weights(6)
     paths["independent"] = save_drafter(independent, base / "independent")
@@ -214,6 +223,7 @@ PROMPT = [3, 17, 100, 5, 9, 200, 41, 7, 7, 12]
         ("moa1", None),
         ("moa1", TreeParams(3, 2, 6)),
         ("eagle", TreeParams(3, 2, 6)),
+        ("griffin", None),
         ("independent", None),
     ],
 )
@@ -486,7 +496,7 @@ def test_the_cli_serves_and_generates(pair, tiny_target_dir, tmp_path):
         server.wait(30)
 
 
-@pytest.mark.parametrize("kind", ["moa0", "moa1", "eagle", "independent"])
+@pytest.mark.parametrize("kind", ["moa0", "moa1", "eagle", "griffin", "independent"])
 def test_forcing_a_drafters_own_choices_changes_nothing(pair, kind):
     """`propose(..., forced=F)`: with F the drafter's own first choices, the same drafts; with
     other tokens, they are taken as given; the proposer's state is untouched either way."""

@@ -1,5 +1,6 @@
-"""The testbed's `ci` preset runs the whole chain: target, seven drafters (the five and the two
-slim-LSA MoA), evaluation, report; then the memory ablation on it."""
+"""The testbed's `ci` preset runs the whole chain: target, eight drafters (the five, the two
+slim-LSA MoA and GRIFFIN), evaluation, report; token-aligned drafters beside them; then the
+memory ablation on it."""
 
 import gzip
 import json
@@ -13,7 +14,7 @@ PROMPTS = Path(__file__).resolve().parent / "data" / "humaneval_prompts.jsonl"
 @pytest.mark.slow
 def test_testbed_ci_preset(tmp_path):
     from benchmarks.testbed.__main__ import main
-    from benchmarks.testbed.drafters import METHODS, SLIM_METHODS
+    from benchmarks.testbed.drafters import EXTRA_METHODS, METHODS, SLIM_METHODS
 
     prompts = PROMPTS
     results = tmp_path / "results.json"
@@ -35,6 +36,7 @@ def test_testbed_ci_preset(tmp_path):
                 "--methods",
                 *METHODS,
                 *SLIM_METHODS,
+                *EXTRA_METHODS,
             ]
         )
         == 0
@@ -44,7 +46,7 @@ def test_testbed_ci_preset(tmp_path):
     import torch
 
     assert report["device"] == ("cuda" if torch.cuda.is_available() else "cpu")
-    methods = {*METHODS, *SLIM_METHODS}
+    methods = {*METHODS, *SLIM_METHODS, *EXTRA_METHODS}
     assert set(report["results"]) == methods | {"plain"}
     assert report["results"]["plain"]["target_heldout_loss"] > 0.0
     params = [report["drafter_training"][m]["parameters"] for m in methods]
@@ -76,6 +78,17 @@ def test_testbed_ci_preset(tmp_path):
     assert (tmp_path / "w" / "drafters" / "moa_tli0_k2_3" / "done.json").is_file()
     with pytest.raises(SystemExit):  # argparse: MIN > MAX
         main([*again, "--moa-refresh", "3", "2"])
+
+    # Token-aligned drafters are their own, cached drafters beside the unaligned ones.
+    aligned = tmp_path / "aligned.json"
+    align = ["--methods", "griffin", "moa_tli0", "--align-steps", "2", "--align-topk", "4"]
+    assert main([*again, *align, *second, "--results", str(aligned)]) == 0
+    report = json.loads(aligned.read_text())
+    assert set(report["results"]) == {"griffin_a2t4", "moa_tli0_a2t4", "plain"}
+    assert report["config"]["align_steps"] == 2 and report["config"]["align_topk"] == 4
+    run = tmp_path / "w" / "drafters" / "griffin_a2t4"
+    assert json.loads((run / "train_config.json").read_text())["align_steps"] == 2
+    assert report["results"]["griffin_a2t4"]["k4"]["lossless"]
 
     # Drafters of another seed (same target) are cached and reported beside the seed-0 ones;
     # --drafter-seed 0 is the default and reuses them.
@@ -154,6 +167,9 @@ def test_run_names():
     other = cfg.replace(moa_refresh=(3, 8), drafter_seed=2)
     assert run_name("moa_tli1_slim", other) == "moa_tli1_slim_k3_8_s2"
     assert run_name("eagle", other) == "eagle_s2"
+    aligned = cfg.replace(align_steps=3)
+    assert run_name("griffin", aligned) == "griffin_a3"
+    assert run_name("moa_tli1", aligned.replace(align_topk=5, drafter_seed=1)) == "moa_tli1_a3t5_s1"
     assert other.seed_of_drafters == 2 and cfg.seed_of_drafters == cfg.seed
 
 

@@ -13,9 +13,10 @@ from vllm_moa.checkpoint import save_drafter
 from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
 from vllm_moa.cli.main import main
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target import load_target_info
-from vllm_moa.model.presets import make_config, make_eagle_config
+from vllm_moa.model.presets import make_config, make_eagle_config, make_griffin_config
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,9 @@ def pair(tmp_path_factory):
     moa = MoADrafter(make_config(info, preset="small"))
     moa.init_weights(seed=0)
     save_drafter(moa, base / "moa")
+    griffin = GriffinDrafter(make_griffin_config(info, preset="small"))
+    griffin.init_weights(seed=0)
+    save_drafter(griffin, base / "griffin")
     return base, drafter
 
 
@@ -83,3 +87,12 @@ def test_export_cli_accepts_train_out_dir_and_refuses_moa(pair, tmp_path, capsys
                  str(base / "target"), "--out", str(tmp_path / "m")]) == 1  # fmt: skip
     err = capsys.readouterr().err
     assert "only EAGLE drafters" in err and '"method": "moa"' in err
+
+
+def test_export_refuses_griffin_saying_why(pair, tmp_path):
+    """vLLM's EAGLE models have no Token-Guided Fusion and one output for both the LM head and
+    the next step: a GRIFFIN drafter is refused, not exported as a wrong EAGLE."""
+    base, _ = pair
+    with pytest.raises(ValueError, match=r"GRIFFIN drafter.*Token-Guided Fusion.*Token-Enhanced"):
+        export_vllm_eagle(base / "griffin", base / "target", tmp_path / "g")
+    assert not (tmp_path / "g").exists()

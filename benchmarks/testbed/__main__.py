@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.testbed.drafters import (
+    EXTRA_METHODS,
     METHODS,
     SLIM_METHODS,
     build_drafters,
@@ -139,9 +140,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--methods",
         nargs="+",
-        choices=[*METHODS, *SLIM_METHODS],
+        choices=[*METHODS, *SLIM_METHODS, *EXTRA_METHODS],
         default=list(METHODS),
-        help=f"default: the five of the issue; {', '.join(SLIM_METHODS)}: MoA with a slim LSA",
+        help=f"default: the five of the issue; {', '.join(SLIM_METHODS)}: MoA with a slim LSA; "
+        "griffin: GRIFFIN's drafter",
+    )
+    p.add_argument(
+        "--align-steps",
+        type=positive_int,
+        default=None,
+        help="train every drafter of the run token-aligned (GRIFFIN) with N passes (the paper: "
+        "3); such drafters are cached and reported as <method>_a<N>",
+    )
+    p.add_argument(
+        "--align-topk",
+        type=positive_int,
+        default=None,
+        help="k of --align-steps' mask (default 3, the paper's; another is reported as "
+        "<method>_a<N>t<k>)",
     )
     p.add_argument(
         "--eval-prompts",
@@ -208,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         args.moa_refresh = (lo, hi)
     overrides = (
         "eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh",
-        "drafter_seed",
+        "drafter_seed", "align_steps", "align_topk",
     )  # fmt: skip
     cfg = PRESETS[args.preset].replace(
         **{k: v for k in overrides if (v := getattr(args, k)) is not None}

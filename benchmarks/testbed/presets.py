@@ -39,6 +39,11 @@ class TestbedConfig:
     # target's: drafters of another seed are cached and reported as `<method>_s<seed>`, so the
     # spread over drafter seeds can be measured against one target.
     drafter_seed: int | None = None
+    # Token-aligned training (GRIFFIN; `vllm-moa train --align-steps/--align-topk`) of every
+    # drafter of the run; aligned drafters are cached and reported as `<method>_a<steps>` (with
+    # `t<topk>` when topk is not the paper's 3), beside the unaligned ones.
+    align_steps: int = 1
+    align_topk: int = TrainConfig.align_topk
 
     @property
     def seed_of_drafters(self) -> int:

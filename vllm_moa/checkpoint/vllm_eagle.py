@@ -23,8 +23,21 @@ from vllm_moa.checkpoint.io import (
 )
 from vllm_moa.drafters.eagle.config import EagleConfig
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.griffin.config import GriffinConfig
 from vllm_moa.hf_target import load_target_info
 from vllm_moa.model.config import read_config_json
+
+# What vLLM's EAGLE models (llama_eagle.py: EAGLE-1, llama_eagle3.py: EAGLE-3) can hold, read
+# from vLLM 0.32's sources: an fc (or EAGLE-3's norms over [embedding | feature]) into decoder
+# layers whose one output is both what the LM head reads and the next step's feature.
+GRIFFIN_NOT_EXPORTABLE = (
+    "{path} holds a GRIFFIN drafter, which vLLM's EAGLE loaders cannot represent: its "
+    "Token-Guided Fusion (a second, token-conditioned MLP with its own norms between fc and the "
+    "layer, fc with a bias) and its Token-Enhanced Head (an MLP writing two states, one for the "
+    "LM head and another fed to the next step) have no place in vLLM's EagleLlamaForCausalLM "
+    "or Eagle3LlamaForCausalLM, whose single output serves both. Serve it with the standalone "
+    "engine (`vllm-moa generate --drafter`); `--method eagle` trains a drafter vLLM can serve."
+)
 
 
 def _vllm_config(config: EagleConfig, target: dict[str, object], dtype: str) -> dict[str, object]:
@@ -57,6 +70,8 @@ def export_vllm_eagle(drafter_dir: str | Path, target_dir: str | Path, out_dir: 
     """Write `out_dir` (config.json + model.safetensors) that vLLM's `eagle` method loads."""
     drafter_dir, out = drafter_dir_of(drafter_dir), Path(out_dir)
     config = load_config(drafter_dir)
+    if isinstance(config, GriffinConfig):
+        raise ValueError(GRIFFIN_NOT_EXPORTABLE.format(path=drafter_dir))
     if not isinstance(config, EagleConfig):
         raise ValueError(
             f"{drafter_dir} holds a {config.MODEL_TYPE} drafter; only EAGLE drafters "

@@ -63,6 +63,14 @@ KINDS: tuple[DrafterKind, ...] = (
         method="vllm_moa.drafters.eagle.method:EagleMethod",
     ),
     DrafterKind(
+        name="griffin",
+        model_type="griffin_drafter",
+        config="vllm_moa.drafters.griffin.config:GriffinConfig",
+        module="vllm_moa.drafters.griffin.model:GriffinDrafter",
+        proposer="vllm_moa.drafters.griffin.proposer:GriffinProposer",
+        method="vllm_moa.drafters.griffin.method:GriffinMethod",
+    ),
+    DrafterKind(
         name="independent",
         model_type="independent_drafter",
         config="vllm_moa.drafters.independent.config:IndependentConfig",
@@ -76,7 +84,12 @@ BY_NAME = {k.name: k for k in KINDS}
 
 
 def kind_of(drafter: object) -> DrafterKind:
-    """The registered kind of a drafter module (TypeError for anything else)."""
+    """The registered kind of a drafter module (TypeError for anything else): the kind whose
+    class it is, else the first whose class it derives from (GRIFFIN's drafter is an EAGLE
+    drafter, but of its own kind)."""
+    for kind in KINDS:
+        if type(drafter) is kind.module_class():
+            return kind
     for kind in KINDS:
         if isinstance(drafter, kind.module_class()):
             return kind

@@ -178,11 +178,11 @@ Attend = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torc
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, width: int, intermediate: int) -> None:
+    def __init__(self, width: int, intermediate: int, out_width: int | None = None) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(width, intermediate, bias=False)
         self.up_proj = nn.Linear(width, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, width, bias=False)
+        self.down_proj = nn.Linear(intermediate, out_width or width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -205,13 +205,16 @@ class DecoderBlock(nn.Module):
         eps: float,
         input_norm: bool = True,
         over_layers: bool = False,
+        mlp_out_width: int | None = None,
     ) -> None:
+        """`mlp_out_width`: the MLP's output width when it differs from `width` (GRIFFIN's
+        token-enhanced head writes two states; that block's forward adds the residual)."""
         super().__init__()
         # EAGLE's layer has no input norm: its input is already an fc projection.
         self.input_layernorm: nn.Module = RMSNorm(width, eps) if input_norm else nn.Identity()
         self.self_attn = Attention(width, num_heads, num_kv_heads, rope_theta, over_layers)
         self.post_attention_layernorm = RMSNorm(width, eps)
-        self.mlp = SwiGLU(width, intermediate)
+        self.mlp = SwiGLU(width, intermediate, mlp_out_width)
 
     @property
     def dtype(self) -> torch.dtype:

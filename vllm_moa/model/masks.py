@@ -38,3 +38,20 @@ def bounded_memory_limits(seq_len: int, prompt_len: int, refresh_every: int) -> 
         refresh_every
     )
     return torch.where(i < prompt_len, i, cycle_start)
+
+
+def aligned_pass_mask(
+    pass_index: int, seq_len: int, device: torch.device | None = None
+) -> torch.Tensor:
+    """[T, (j+1)*T], j = pass_index: the keys query i sees in pass j (0-based) of EAGLE's
+    multi-pass training (HASS, GRIFFIN), where query i is the (j+1)-th draft of a cycle whose
+    first draft is at i - j. Key block p holds the keys pass p computed: block 0 (true features)
+    at positions <= i - j, before the cycle; block p >= 1 only at i - (j - p), the cycle's
+    position that pass p drafted. Pass 0 is the causal mask."""
+    if pass_index < 0:
+        raise ValueError(f"pass_index must be >= 0, got {pass_index}")
+    i = torch.arange(seq_len, device=device)[:, None]
+    u = torch.arange(seq_len, device=device)[None, :]
+    blocks = [u <= i - pass_index]
+    blocks += [u == i - (pass_index - p) for p in range(1, pass_index + 1)]
+    return torch.cat(blocks, dim=1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_moa.drafters.eagle.config import EagleConfig
+from vllm_moa.drafters.griffin.config import GriffinConfig
 from vllm_moa.drafters.independent.config import IndependentConfig
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.model.config import DrafterConfig, TargetShape
@@ -106,12 +107,22 @@ def _check_preset(preset: str) -> bool:
     return preset == "small"
 
 
+def _eagle_fields(target: TargetInfo, preset: str) -> dict[str, Any]:
+    small, e = _check_preset(preset), target.shape.hidden_size
+    return _token_layer_fields(target, 4 if small else 1, e * (3 if small else 7) // 2)
+
+
 def make_eagle_config(target: TargetInfo, preset: str = "paper") -> EagleConfig:
     """One decoder layer at the target's width (EAGLE); `small` shrinks the MLP and KV heads."""
-    small, e = _check_preset(preset), target.shape.hidden_size
-    return EagleConfig(
-        **_token_layer_fields(target, 4 if small else 1, e * (3 if small else 7) // 2)
-    )
+    return EagleConfig(**_eagle_fields(target, preset))
+
+
+def make_griffin_config(target: TargetInfo, preset: str = "paper") -> GriffinConfig:
+    """EAGLE's layer of the same preset, TGF's MLP as wide as that layer's: the paper sets it to
+    the target's FFN width, which is what the `paper` preset gives EAGLE's layer (3.5 E, Llama-3's
+    14336 at E = 4096)."""
+    fields = _eagle_fields(target, preset)
+    return GriffinConfig(**fields, tgf_intermediate_size=fields["intermediate_size"])
 
 
 def make_independent_config(

@@ -3,8 +3,8 @@
 - MoA, TLI = N: the server runs LSA + mean + Ekv2E and CA's memory K/V projection, and sends
   that K|V (2 E_kv_CA values per token) plus the target's last N layers' K/V (2 E_kv N); the
   client holds SA, CA, the embeddings, the last N layers, the final norm and the LM head.
-- EAGLE: the server sends the target's final (normalised) hidden state (E values); the client
-  holds EAGLE's layer, the embeddings and the LM head.
+- EAGLE and GRIFFIN: the server sends the target's final (normalised) hidden state (E values);
+  the client holds the drafter's layer (GRIFFIN: and its fusion), the embeddings and the LM head.
 - independent: nothing but tokens; the client holds the whole small model.
 
 The paper's message sizes (Table 7) count MoA's memory as 2 E_kv: the CA memory K|V, whose width
@@ -30,6 +30,8 @@ from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput, split_kv
+
+FEATURE_KINDS = ("eagle", "griffin")  # drafters reading the target's final hidden state
 
 
 def fingerprint(drafter_dir: str | Path) -> bytes:
@@ -102,11 +104,11 @@ def client_output(kind: str, num_layers: int, tensors: list[torch.Tensor], n: in
     empty = torch.empty(n, 0)
     if kind == "moa":
         return TargetOutput(logits=empty, layer_kv=tensors[0])
-    if kind == "eagle":
+    if kind in FEATURE_KINDS:
         return TargetOutput(logits=empty, layer_kv=empty, hidden_states={num_layers: tensors[0]})
     return TargetOutput(logits=empty, layer_kv=empty)
 
 
 def expected_rows(kind: str, tli: int) -> int:
     """How many tensors a STARTED / VERIFIED message carries for this drafter."""
-    return {"moa": 1 + (tli > 0), "eagle": 1, "independent": 0}[kind]
+    return 1 + (tli > 0) if kind == "moa" else int(kind in FEATURE_KINDS)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-Method = Literal["moa", "eagle", "independent"]
+Method = Literal["moa", "eagle", "griffin", "independent"]
 Preset = Literal["small", "paper"]  # vllm_moa/model/presets.py PRESETS
 MemorySource = Literal["lsa", "hidden"]  # vllm_moa/drafters/moa/config.py MEMORY_SOURCES
 Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autocast
@@ -94,6 +94,24 @@ class TrainConfig:
         default=0.1,
         metadata={"help": "EAGLE: uniform noise U(-a/2, a/2) on input features, a = this"},
     )
+    align_steps: int = field(
+        default=1,
+        metadata={
+            "min": 1,
+            "help": "token-aligned training (GRIFFIN, HASS): N forward passes, pass n feeding the "
+            "drafter its own predictions of pass n-1 as at inference, a position trained only "
+            "while the data's tokens of its cycle's earlier drafts were in the drafter's top-k "
+            "(docs/training.md); 1 = off (the paper: 3)",
+        },
+    )
+    align_topk: int = field(
+        default=3,
+        metadata={
+            "min": 1,
+            "help": "k of --align-steps' mask: a draft is right when the data's token is among "
+            "its top-k (the paper's 3)",
+        },
+    )
     save_every: int = field(
         default=0, metadata={"min": 0, "help": "checkpoint every N steps (0 = only at the end)"}
     )
@@ -135,7 +153,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
-        for name in ("max_steps", "batch_size", "grad_accum", "max_length", "log_every"):
+        positive = ("max_steps", "batch_size", "grad_accum", "max_length", "log_every")
+        for name in (*positive, "align_steps", "align_topk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("save_every", "eval_every", "warmup_steps", "eval_examples", "tli"):

@@ -9,11 +9,17 @@ from torch import nn
 from vllm_moa.checkpoint import load_drafter, save_drafter
 from vllm_moa.drafters import kind_of
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.hf_target.info import load_target_info
-from vllm_moa.model.presets import make_config, make_eagle_config, make_independent_config
+from vllm_moa.model.presets import (
+    make_config,
+    make_eagle_config,
+    make_griffin_config,
+    make_independent_config,
+)
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.methods import DraftMethod
 
@@ -30,6 +36,8 @@ def new_drafter(cfg: TrainConfig) -> nn.Module:
         raise ValueError(f"--tli {cfg.tli} applies to MoA only; {cfg.method} drafts with TLI=0")
     elif cfg.method == "eagle":
         drafter = EagleDrafter(make_eagle_config(info, cfg.preset))
+    elif cfg.method == "griffin":
+        drafter = GriffinDrafter(make_griffin_config(info, cfg.preset))
     else:
         drafter = IndependentDrafter(make_independent_config(info, cfg.preset))
     drafter.init_weights(cfg.seed)
@@ -54,8 +62,10 @@ def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
 
 def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Path:
     """The trained drafter, with the chain lengths MoA's bounded cross-attention was trained for
-    (K ~ U[refresh_min, refresh_max]) recorded in its config.json."""
-    training = None
+    (K ~ U[refresh_min, refresh_max]) and any token alignment recorded in its config.json."""
+    training: dict[str, int] = {}
     if isinstance(method.model, MoADrafter):
         training = {"refresh_min": cfg.refresh_min, "refresh_max": cfg.refresh_max}
-    return save_drafter(method.model, out, training=training)
+    if cfg.align_steps > 1:
+        training |= {"align_steps": cfg.align_steps, "align_topk": cfg.align_topk}
+    return save_drafter(method.model, out, training=training or None)

@@ -10,7 +10,7 @@ Cross-Attention; EAGLE is 1-step bounded, so its limit is always i).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.model.config import DrafterConfig
 from vllm_moa.training.data import Batch
+
+if TYPE_CHECKING:
+    from vllm_moa.training.alignment import AlignedPass
 
 
 @dataclass
@@ -42,6 +45,21 @@ class DraftMethod(Protocol):
         sa_from: torch.Tensor | None,
         gen: torch.Generator | None = None,
     ) -> DraftForward: ...
+
+    def aligned(
+        self,
+        batch: Batch,
+        target_out: TargetOutput,
+        memory_limit: torch.Tensor,
+        sa_from: torch.Tensor | None,
+        gen: torch.Generator | None,
+        steps: int,
+        topk: int,
+    ) -> list[AlignedPass]:
+        """Token-aligned training (vllm_moa/training/alignment.py): the kind's `steps` passes,
+        each with its mask m_t (a pass at position t drafts the token after t, fed the data's
+        tokens and the kind's own earlier predictions as at inference)."""
+        ...
 
 
 D = TypeVar("D", bound=nn.Module)

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from vllm_moa.devices import training_autocast
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
+from vllm_moa.training.alignment import aligned_loss
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_examples
 from vllm_moa.training.distributed import DistContext
@@ -41,6 +42,7 @@ class StepLoss:
     kl: float
     feature: float
     tokens: int
+    aligned: float | None = None  # --align-steps > 1: the fraction of positions the mask kept
 
 
 def compute_loss(
@@ -58,8 +60,15 @@ def compute_loss(
     else:  # fresh target information at every position (1-step bounded)
         limits = torch.arange(seq).expand(len(batch.prompt_len), seq)
     limits = limits.to(target.device)
-    out = method.forward(batch, target_out, limits, limits if staircase else None, gen)
+    sa_from = limits if staircase else None
     mask = batch.loss_mask.to(target.device)
+    if cfg.align_steps > 1:  # token-aligned training (vllm_moa/training/alignment.py)
+        passes = method.aligned(
+            batch, target_out, limits, sa_from, gen, cfg.align_steps, cfg.align_topk
+        )
+        a = aligned_loss(passes, target_out.logits, mask, cfg.kl_weight, cfg.feature_weight)
+        return StepLoss(a.loss, a.kl, a.feature, a.tokens, a.kept)
+    out = method.forward(batch, target_out, limits, sa_from, gen)
     if out.valid is not None:
         mask = mask & out.valid
     kl = masked_kl(target_out.logits, out.logits, mask)
@@ -243,6 +252,8 @@ class Trainer:
         self.method.model.train()
         staircase = cfg.sa_staircase and step <= cfg.max_steps // 2
         totals = {"loss": 0.0, "kl": 0.0, "feature": 0.0, "tokens": 0}
+        if cfg.align_steps > 1:
+            totals["aligned"] = 0.0
         autocast = self._autocast()
         for micro in range(cfg.grad_accum):
             index = ((step - 1) * cfg.grad_accum + micro) * self.dist.world + self.dist.rank
@@ -255,6 +266,8 @@ class Trainer:
             totals["loss"] += out.loss.item() / cfg.grad_accum  # device sync, once per micro-batch
             totals["kl"] += out.kl / cfg.grad_accum
             totals["feature"] += out.feature / cfg.grad_accum
+            if out.aligned is not None:
+                totals["aligned"] += out.aligned / cfg.grad_accum
             totals["tokens"] += out.tokens
         torch.nn.utils.clip_grad_norm_(self.method.model.parameters(), cfg.grad_clip)
         self.optimizer.step()

@@ -151,9 +151,9 @@ def resolve_moa_drafter(model: object, target_hf_config: Any = None) -> str:
     if kind is not None and kind != MOA_MODEL_TYPE:
         raise ValueError(
             f'speculative method "moa": {path}/config.json has model_type {kind!r}, expected '
-            f"{MOA_MODEL_TYPE!r}. It is one of our baseline drafters (EAGLE / independent), "
-            "which run in the standalone engine (`vllm-moa generate --drafter`), not as vLLM's "
-            "moa method."
+            f"{MOA_MODEL_TYPE!r}. It is one of our baseline drafters (EAGLE / GRIFFIN / "
+            "independent), which run in the standalone engine (`vllm-moa generate --drafter`), "
+            "not as vLLM's moa method."
         )
     target = None if target_hf_config is None else target_shape(target_hf_config)
     try:

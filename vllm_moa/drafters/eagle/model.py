@@ -3,23 +3,35 @@ layer predicts the next feature."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 
-from vllm_moa.drafters.eagle.config import EagleConfig
-from vllm_moa.drafters.token_layers import random_init
+from vllm_moa.drafters.token_layers import TokenLayerConfig, random_init
 from vllm_moa.model.layers import DecoderBlock
-from vllm_moa.model.masks import causal_mask
+from vllm_moa.model.masks import aligned_pass_mask, causal_mask
 
 
 class EagleDrafter(nn.Module):
-    def __init__(self, config: EagleConfig) -> None:
+    """Subclasses (GRIFFIN) change the fusion (`fuse`), the layer (`make_layer`) and what the
+    layer's output holds (`heads`); the forward, the proposer and the training method are
+    written against these three."""
+
+    FC_BIAS: ClassVar[bool] = False  # EAGLE-1's fc has none (vLLM's EAGLE loader neither)
+
+    def __init__(self, config: TokenLayerConfig) -> None:
         super().__init__()
         self.config = config
-        c, e = config, config.target_hidden_size
-        self.fc = nn.Linear(2 * e, e, bias=False)
-        self.layer = DecoderBlock(
-            e,
+        e = config.target_hidden_size
+        self.fc = nn.Linear(2 * e, e, bias=self.FC_BIAS)
+        self.layer = self.make_layer(config)
+
+    @staticmethod
+    def make_layer(config: TokenLayerConfig) -> DecoderBlock:
+        c = config
+        return DecoderBlock(
+            c.target_hidden_size,
             c.num_heads,
             c.num_kv_heads,
             c.intermediate_size,
@@ -35,9 +47,41 @@ class EagleDrafter(nn.Module):
         """[B, T, E] embeddings of x_{i+1} and [B, T, E] features f_i -> layer input [B, T, E]."""
         return self.fc(torch.cat([next_embeds, features], dim=-1))
 
-    def forward(self, next_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """Full-sequence forward: input i = (x_{i+1}, f_i) -> predicted f_{i+1}, [B, T, E]."""
-        x = self.fuse(next_embeds, features)
-        positions = torch.arange(x.shape[1], device=x.device)
-        k, v = self.layer.kv_from(x, positions)
-        return self.layer(x, positions, k, v, causal_mask(positions, x.shape[1]))
+    def heads(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output [..., W] -> (the state the LM head reads, the feature the next
+        draft step reads), each [..., E]. EAGLE: both are the output, the predicted f_{i+1}."""
+        return out, out
+
+    def forward(
+        self, next_embeds: torch.Tensor, features: torch.Tensor, passes: int = 1
+    ) -> torch.Tensor:
+        """Full-sequence forward: input i = (x_{i+1}, f_i) -> the layer's output at i, [B, T, W]
+        (EAGLE: the predicted f_{i+1}, W = E).
+
+        passes > 1: token-aligned training (HASS, GRIFFIN). Pass j (0-based) feeds input i the
+        feature pass j-1 predicted at i-1 (detached; input 0 keeps f_0), so its output at i is
+        the (j+1)-th draft of a cycle whose first draft came from input i - j: its query sees
+        the true-feature keys of pass 0 before that cycle and, inside it, the key each earlier
+        pass computed there (`aligned_pass_mask`). Returns [passes * B, T, W], pass j in rows
+        j*B..(j+1)*B-1 (one call, so data-parallel training syncs every pass's gradients)."""
+        seq = next_embeds.shape[1]
+        positions = torch.arange(seq, device=next_embeds.device)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        outs = []
+        inputs = features
+        for j in range(passes):
+            x = self.fuse(next_embeds, inputs)
+            k, v = self.layer.kv_from(x, positions)
+            keys.append(k)
+            values.append(v)
+            if j == 0:
+                out = self.layer(x, positions, k, v, causal_mask(positions, seq))
+            else:
+                mask = aligned_pass_mask(j, seq, x.device)
+                out = self.layer(x, positions, torch.cat(keys, 2), torch.cat(values, 2), mask)
+            outs.append(out)
+            if j + 1 < passes:
+                fed = self.heads(out)[1].detach()
+                inputs = torch.cat([features[:, :1], fed[:, :-1].to(features.dtype)], dim=1)
+        return outs[0] if passes == 1 else torch.cat(outs, dim=0)

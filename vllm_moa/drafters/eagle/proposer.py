@@ -1,4 +1,4 @@
-"""Incremental EAGLE drafting for one sequence, chains and EAGLE-2 trees."""
+"""Incremental EAGLE drafting for one sequence, chains and EAGLE-2 trees (GRIFFIN's too)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from vllm_moa.model.kv_cache import KVCache
 class EagleProposer:
     """EAGLE drafting: input i = (x_{i+1}, f_i). The layer's KV cache holds only positions whose
     feature was the target's true one; drafted positions (predicted features) are recomputed
-    after each verification."""
+    after each verification. Written against the drafter's `fuse` and `heads`, so it drafts
+    with GRIFFIN's drafter too."""
 
     def __init__(self, drafter: EagleDrafter, target: HFTarget) -> None:
         drafter.config.check_target(target.shape)
@@ -41,15 +42,18 @@ class EagleProposer:
         self._last_token = None
 
     @torch.no_grad()
-    def _step(self, first: int, next_ids: list[int], features: torch.Tensor) -> torch.Tensor:
-        """Run positions first.. with inputs (x_{i+1}, f_i); return the last output [E]."""
+    def _step(
+        self, first: int, next_ids: list[int], features: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run positions first.. with inputs (x_{i+1}, f_i); return the last output's heads:
+        (the state the LM head reads, the predicted feature), each [E]."""
         device = self.target.device
         positions = torch.arange(first, first + len(next_ids), device=device)
         emb = self.target.embed(torch.tensor(next_ids, device=device)).to(self.dtype)
         x = self.drafter.fuse(emb[None], features.to(self.dtype)[None])
         layer = self.drafter.layer
         k, v = self.cache.update(*layer.kv_from(x, positions), 0)
-        return layer(x[:, -1:], positions[-1:], k, v, None)[0, -1]
+        return self.drafter.heads(layer(x[:, -1:], positions[-1:], k, v, None)[0, -1])
 
     def propose(
         self,
@@ -61,18 +65,18 @@ class EagleProposer:
     ) -> DraftProposal:
         p, first = len(self.tokens), self.cache.length()
         seq = [*self.tokens, last_token]
-        predicted = self._step(first, seq[first + 1 : p + 1], self.features[first:p])
+        state, predicted = self._step(first, seq[first + 1 : p + 1], self.features[first:p])
         drafts: list[int] = []
         logits, probs = [], []
         for i in range(num_tokens):
-            row = self.target.lm_logits(predicted[None].to(self.target.dtype))[0]
+            row = self.target.lm_logits(state[None].to(self.target.dtype))[0]
             token, dist = draft_token(row, i, forced, params, gen)
             drafts.append(token)
             logits.append(row)
             if dist is not None:
                 probs.append(dist)
             if i + 1 < num_tokens:  # position p+i: (draft token, predicted feature)
-                predicted = self._step(p + i, [token], predicted[None])
+                state, predicted = self._step(p + i, [token], predicted[None])
         self.cache.crop(p)  # positions >= p used predicted features
         self._last_token = last_token
         return stack_proposal(drafts, logits, probs)
@@ -126,11 +130,11 @@ class EagleTreeDrafter(TreeSearch):
         self.p, first = len(prop.tokens), prop.cache.length()
         seq = [*prop.tokens, self.last_token]
         # positions first..p-1 with true features (kept in the proposer's cache)
-        self.root_feature = prop._step(
+        state, self.root_feature = prop._step(
             first, seq[first + 1 : self.p + 1], prop.features[first : self.p]
         )
         self.kv = NodeKV({0: prop.cache.get(0)})
-        return prop.target.lm_logits(self.root_feature[None].to(prop.target.dtype))[0]
+        return prop.target.lm_logits(state[None].to(prop.target.dtype))[0]
 
     def expand(self, frontier: list[int]) -> torch.Tensor:
         prop, target, p = self.prop, self.prop.target, self.p
@@ -142,10 +146,10 @@ class EagleTreeDrafter(TreeSearch):
         layer = prop.drafter.layer
         k, v = self.kv.update(*layer.kv_from(x, positions), 0)
         allowed = self.visible(frontier, p).to(device)
-        out = layer(x, positions, k, v, allowed)[0]  # [f, E] predicted features
+        states, features = prop.drafter.heads(layer(x, positions, k, v, allowed)[0])  # [f, E]
         for r, c in enumerate(frontier):
-            self.features[c] = out[r]
-        return target.lm_logits(out.to(target.dtype))
+            self.features[c] = features[r]
+        return target.lm_logits(states.to(target.dtype))
 
     def _parent_feature(self, candidate: int) -> torch.Tensor:
         parent = self.parent[candidate]

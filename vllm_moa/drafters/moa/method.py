@@ -1,5 +1,6 @@
 """MoA's training forward: SA over the target's embeddings, CA over the K-step bounded memory
-of the target's per-layer K|V (or its hidden states), then TLI's target layers and LM head."""
+of the target's per-layer K|V (or its hidden states), then TLI's target layers and LM head; and
+its token-aligned training (the K-step bounded forward holds every pass of a cycle)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
+from vllm_moa.training.alignment import AlignedPass, topk_hits, window_mask
 from vllm_moa.training.data import Batch
 from vllm_moa.training.methods import DraftForward, Method
 from vllm_moa.training.tail import run_aligned_tail
@@ -67,3 +69,25 @@ class MoAMethod(Method[MoADrafter]):
             target.lm_head(final).float(),
             [(predicted, hidden[num_layers - self.tli]), (final, hidden[num_layers])],
         )
+
+    def aligned(
+        self,
+        batch: Batch,
+        target_out: TargetOutput,
+        memory_limit: torch.Tensor,
+        sa_from: torch.Tensor | None,
+        gen: torch.Generator | None,
+        steps: int,
+        topk: int,
+    ) -> list[AlignedPass]:
+        """MoA's drafts of a cycle read the memory of the verified prefix and their own drafted
+        tokens through SA (and, with TLI, their own predicted states through the tail layers),
+        which the K-step bounded forward already gives each position of a cycle: it computes
+        every pass at once, position t being pass t - limit[t] + 1 of its cycle. So one
+        forward, and GRIFFIN's mask over the cycle's earlier drafts (at most steps-1 of them,
+        as m_t's product; none before the cycle's start, which the target verified)."""
+        out = self.forward(batch, target_out, memory_limit, sa_from, gen)
+        ids = batch.input_ids.to(out.logits.device)
+        step = torch.arange(ids.shape[1], device=memory_limit.device) - memory_limit
+        hits = topk_hits(out.logits, ids, topk, out.valid)
+        return [AlignedPass(out, window_mask(hits, step.to(hits.device), steps))]
