@@ -248,17 +248,22 @@ TESTBED_NAMES = {
     "moa_no_lsa": "MoA without LSA",
     "eagle": "EAGLE",
     "independent": "independent",
-    "griffin": "GRIFFIN",
+    "griffin": "GRIFFIN drafter (TGF)",
 }
 SEED = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
+
+
+ALIGNED = re.compile(r"^(?P<method>.+)_a(?P<steps>\d+)(?:t(?P<topk>\d+))?$")
 
 
 def _testbed_name(method: str) -> str:
     for suffix, words in (("_slim", ", slim LSA"), ("_k3_8", ", K ~ U[3, 8]")):
         if method.endswith(suffix):
             return _testbed_name(method[: -len(suffix)]) + words
-    if method.endswith("_align"):
-        return _testbed_name(method[: -len("_align")]) + " + alignment"
+    aligned = ALIGNED.match(method)
+    if aligned:  # token-aligned training (GRIFFIN's): N passes, top-k mask
+        topk = f", top-{aligned['topk']}" if aligned["topk"] else ""
+        return f"{_testbed_name(aligned['method'])} + alignment ({aligned['steps']} passes{topk})"
     return TESTBED_NAMES.get(method, method)
 
 
