@@ -207,6 +207,7 @@ class HierarchicalEngine:
             k = min(level.buffer, limit)
             if k < 1:
                 return Block([], None)
+            record.requested += k
             began = time.perf_counter()
             proposal = level.proposer.draft_after(pending, k, params, gen)
             record.time_s += time.perf_counter() - began

@@ -12,6 +12,7 @@ class LevelStats:
     name: str  # `ngram`, or the drafter's kind and directory
     buffer: int  # T: the tokens it gathers before handing them up
     requests: int = 0  # blocks the level above asked it for
+    requested: int = 0  # tokens asked of the bottom level (it may draft fewer: prompt lookup)
     forward_passes: int = 0  # of its model: draft steps (bottom) or scoring passes (above it)
     proposed: int = 0  # tokens it handed to the level above
     accepted: int = 0  # of those, accepted by the level above
@@ -35,6 +36,7 @@ class LevelStats:
             "name": self.name,
             "buffer": self.buffer,
             "requests": self.requests,
+            "requested": self.requested,
             "forward_passes": self.forward_passes,
             "proposed": self.proposed,
             "accepted": self.accepted,
