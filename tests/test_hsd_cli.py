@@ -141,6 +141,7 @@ def test_hsd_plan_measures(capsys, tmp_path, tiny_target_dir, drafters):
     assert set(inputs.acceptance["ngram"]) == {drafters["moa"], "target"}
     assert set(inputs.acceptance[drafters["moa"]]) == {"target"}
     assert inputs.candidates[1].draft_rate == 1.0 and inputs.target.base_s > 0
+    assert inputs.candidates[1].commit.seconds(4) > 0  # MoA's memory rows
     assert inputs.notes["target"] == tiny_target_dir and inputs.notes["prompts"] == 2
     code, again, _ = run_cli(capsys, "hsd-plan", "--from", str(out_file))
     assert code == 0 and again.splitlines()[0] == out.splitlines()[0]

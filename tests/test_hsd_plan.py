@@ -55,6 +55,20 @@ def test_one_drafter_is_standard_speculative_decoding(alpha, t):
     assert plan.passes_per_token == pytest.approx((t / tokens, 1 / tokens))
 
 
+def test_taking_in_verified_tokens_costs_per_target_pass():
+    """Each level's `commit` (MoA: the memory rows of the verified tokens) runs once per target
+    pass over the tokens it emitted."""
+    commit = PassCost(0.01, 0.002)
+    inputs = PlanInputs(
+        (Candidate("d", 0.1, PassCost(0.2), commit=commit),),
+        PassCost(1.0),
+        {"d": {"target": 0.6}},
+    )
+    plan = evaluate(inputs, ["d"], [3])
+    tokens = (1 - 0.6**4) / 0.4
+    assert plan.latency_s == pytest.approx((0.3 + 1.0 + 0.01 + 0.002 * tokens) / tokens)
+
+
 def test_two_levels_by_hand():
     """T0 = T1 = 1: one round per request; MoA hands up 1 token (it rejects the lookup's) or 2
     (it accepts it and adds its own)."""

@@ -177,7 +177,8 @@ def _print_plans(inputs: Any, plans: list[Any]) -> None:
         score += "" if c.score is None else f"{_ms(c.score.per_token_s)} per token"
         alphas = ", ".join(f"{up} {a:.2f}" for up, a in inputs.acceptance.get(c.name, {}).items())
         print(
-            f"  {c.name}: draft step {_ms(c.draft_step_s)}, {score}, "
+            f"  {c.name}: draft step {_ms(c.draft_step_s)}, {score}, taking verified tokens "
+            f"{_ms(c.commit.base_s)} + {_ms(c.commit.per_token_s)} per token, "
             f"draft rate {c.draft_rate:.2f}; alpha: {alphas}"
         )
     best = plans[0]

@@ -1,7 +1,8 @@
 """Measure what the hierarchy planner needs, on this machine and these prompts: the seconds of
-each candidate's draft step and scoring pass and of the target's pass (over 1..n tokens, fitted
-as base + per_token * n), and the per-token acceptance of each candidate by each later one and
-by the target, read from real hierarchical decoding runs (LevelStats.alpha)."""
+each candidate's draft step, scoring pass and taking in of verified tokens, and of the target's
+pass (over 1..n tokens, fitted as base + per_token * n), and the per-token acceptance of each
+candidate by each later one and by the target, read from real hierarchical decoding runs
+(LevelStats.alpha)."""
 
 from __future__ import annotations
 
@@ -56,15 +57,16 @@ def measure_inputs(
         Candidate(
             name,
             draft_step_s=_draft_step(target, prop, prompt, config),
-            score=_fit([_score(target, prop, prompt, n, config) for n in config.pass_sizes], config)
+            score=_fit([_score(target, prop, prompt, n, config) for n in config.pass_sizes])
             if isinstance(prop, LevelScorer)
             else None,
+            commit=_fit([_commit(target, prop, prompt, n, config) for n in config.pass_sizes]),
         )
         for name, prop in candidates.items()
     ]
-    target_cost = _fit([_target_pass(target, prompt, n, config) for n in config.pass_sizes], config)
+    target_cost = _fit([_target_pass(target, prompt, n, config) for n in config.pass_sizes])
     acceptance, rates = _acceptance(target, candidates, prompts, config)
-    found = [Candidate(c.name, c.draft_step_s, c.score, rates[c.name]) for c in found]
+    found = [Candidate(c.name, c.draft_step_s, c.score, rates[c.name], c.commit) for c in found]
     notes = {
         "prompts": len(prompts),
         "max_new_tokens": config.max_new_tokens,
@@ -91,7 +93,7 @@ def _seconds(target: HFTarget, run: Callable[[], object], config: MeasureConfig)
     return statistics.median(times)
 
 
-def _fit(points: list[tuple[int, float]], config: MeasureConfig) -> PassCost:
+def _fit(points: list[tuple[int, float]]) -> PassCost:
     """Least squares seconds = base + per_token * n over the timed sizes (clipped at 0)."""
     ns = [float(n) for n, _ in points]
     ts = [t for _, t in points]
@@ -128,6 +130,31 @@ def _score(
     _prefilled(target, prop, prompt)
     tokens = (prompt * n)[: n - 1]
     return n, _seconds(target, lambda: prop.score([prompt[-1]], tokens), config)
+
+
+def _commit(
+    target: HFTarget, prop: LevelProposer, prompt: list[int], n: int, config: MeasureConfig
+) -> tuple[int, float]:
+    """Taking n target-verified tokens in (`catch_up`), after the rest of the prompt (a fresh
+    start before each timing: catch_up changes the state)."""
+    n = min(n, len(prompt) - 1)  # at least one prompt token to start from
+    target.reset()
+    out = target.forward(torch.tensor(prompt), prop.hidden_layers)
+    before, rows = (
+        out.select(list(range(len(prompt) - n))),
+        out.select(list(range(len(prompt) - n, len(prompt)))),
+    )
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    times = []
+    for i in range(config.repeats + 1):
+        prop.start(prompt[:-n], before)
+        sync()
+        began = time.perf_counter()
+        prop.catch_up(prompt[-n:], rows)
+        sync()
+        if i:
+            times.append(time.perf_counter() - began)
+    return n, statistics.median(times)
 
 
 def _target_pass(

@@ -13,8 +13,9 @@ base + per_token * n seconds. For the stack M_0 .. M_{K-1} below the target M_K:
   rounds per request, and S_i, the law of the size it hands up, follow from a dynamic programme
   over the tokens held so far (0..T_i-1), exact; the expected cost of a request follows by Wald's
   identity: C_i = gamma_i * (C_{i-1} + E[score_i(n+1)]);
-- the target verifies n ~ S_{K-1} tokens per pass and emits E[(1 - alpha_K^(n+1)) / (1 - alpha_K)]
-  tokens; latency per token L = (C_{K-1} + E[target(n+1)]) / that (renewal-reward).
+- the target verifies n ~ S_{K-1} tokens per pass and emits E = E[(1 - alpha_K^(n+1)) /
+  (1 - alpha_K)] tokens, which every level then takes in (`commit`: MoA's memory rows, say);
+  latency per token L = (C_{K-1} + E[target(n+1)] + sum_i commit_i(E)) / E (renewal-reward).
 
 With constant costs this is the paper's L = sum_i c_i prod_{j>=i} R_j; with one drafter, the
 standard (T c_draft + c_target) (1 - alpha) / (1 - alpha^(T+1)).
@@ -53,6 +54,9 @@ class PassCost:
     def seconds(self, tokens: float) -> float:
         return self.base_s + self.per_token_s * tokens
 
+    def plus(self, other: PassCost) -> PassCost:
+        return PassCost(self.base_s + other.base_s, self.per_token_s + other.per_token_s)
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -62,6 +66,8 @@ class Candidate:
     draft_step_s: float  # one autoregressive draft step (as the bottom level), per drafted token
     score: PassCost | None  # one scoring pass (as a level above the bottom); None: cannot verify
     draft_rate: float = 1.0  # drafted / requested tokens as the bottom (prompt lookup: < 1)
+    # taking the target-verified tokens after each target pass, per token (MoA: their memory)
+    commit: PassCost = PassCost(0.0)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.draft_step_s) and self.draft_step_s >= 0):
@@ -101,6 +107,7 @@ class PlanInputs:
                     "draft_step_s": c.draft_step_s,
                     "score": None if c.score is None else vars(c.score),
                     "draft_rate": c.draft_rate,
+                    "commit": vars(c.commit),
                 }
                 for c in self.candidates
             ],
@@ -118,6 +125,7 @@ class PlanInputs:
                     draft_step_s=float(c["draft_step_s"]),
                     score=None if c.get("score") is None else PassCost(**c["score"]),
                     draft_rate=float(c.get("draft_rate", 1.0)),
+                    commit=PassCost(**c.get("commit", {"base_s": 0.0})),
                 )
                 for c in data["candidates"]
             )
@@ -172,6 +180,7 @@ class _Stage:
     sizes: tuple[float, ...]  # sizes[n] = P(the level hands up n tokens)
     cost_s: float  # expected seconds of one request, the levels below included
     passes: tuple[float, ...]  # expected forward passes per request, each level so far
+    commit: PassCost  # all levels so far: taking the verified tokens after a target pass
 
 
 def bottom_stage(candidate: Candidate, buffer: int) -> _Stage:
@@ -179,7 +188,8 @@ def bottom_stage(candidate: Candidate, buffer: int) -> _Stage:
     sizes[buffer] += candidate.draft_rate
     sizes[0] += 1 - candidate.draft_rate
     drafted = candidate.draft_rate * buffer
-    return _Stage(tuple(sizes), drafted * candidate.draft_step_s, (drafted,))
+    cost = drafted * candidate.draft_step_s
+    return _Stage(tuple(sizes), cost, (drafted,), candidate.commit)
 
 
 def round_increments(sizes: Sequence[float], alpha: float) -> list[float]:
@@ -194,7 +204,9 @@ def round_increments(sizes: Sequence[float], alpha: float) -> list[float]:
     return out
 
 
-def upper_stage(below: _Stage, score: PassCost, alpha: float, buffer: int) -> _Stage:
+def upper_stage(
+    below: _Stage, score: PassCost, alpha: float, buffer: int, commit: PassCost = PassCost(0.0)
+) -> _Stage:
     """A scoring level above `below` with buffer T (the DP of the module docstring)."""
     steps = round_increments(below.sizes, alpha)
     visits = [0.0] * buffer  # visits[s] = P(some round starts holding s tokens)
@@ -214,7 +226,7 @@ def upper_stage(below: _Stage, score: PassCost, alpha: float, buffer: int) -> _S
     mean_below = sum(n * w for n, w in enumerate(below.sizes))
     cost = rounds * (below.cost_s + score.seconds(mean_below + 1))
     passes = (*(rounds * x for x in below.passes), rounds)
-    return _Stage(tuple(sizes), cost, passes)
+    return _Stage(tuple(sizes), cost, passes, below.commit.plus(commit))
 
 
 def top_plan(
@@ -223,7 +235,8 @@ def top_plan(
     """The target over the top level's blocks: the plan's latency per token."""
     tokens = sum(w * _emitted(alpha, n) for n, w in enumerate(stage.sizes))
     mean = sum(n * w for n, w in enumerate(stage.sizes))
-    cost = stage.cost_s + target.seconds(mean + 1)
+    # A target pass, the stack's requests before it, and every level taking the verified tokens
+    cost = stage.cost_s + target.seconds(mean + 1) + stage.commit.seconds(tokens)
     passes = tuple(x / tokens for x in (*stage.passes, 1.0))
     return Plan(levels, buffers, cost / tokens, tokens, passes)
 
@@ -256,7 +269,7 @@ def evaluate(inputs: PlanInputs, levels: Sequence[str], buffers: Sequence[int]) 
             )
         if alpha is None:
             raise ValueError(f"no acceptance measured for {lower} -> {upper}")
-        stage = upper_stage(stage, score, alpha, t)
+        stage = upper_stage(stage, score, alpha, t, by_name[upper].commit)
     alpha = inputs.alpha(levels[-1], TARGET)
     if alpha is None:
         raise ValueError(f"no acceptance measured for {levels[-1]} -> {TARGET}")
@@ -282,7 +295,7 @@ def search(inputs: PlanInputs, max_buffer: int = 8) -> Iterator[Plan]:
             if score is None or pair is None:
                 continue
             for t in range(1, max_buffer + 1):
-                up = upper_stage(stage, score, pair, t)
+                up = upper_stage(stage, score, pair, t, cands[j].commit)
                 yield from grow(up, j, (*levels, cands[j].name), (*buffers, t))
 
     for i, cand in enumerate(cands):
