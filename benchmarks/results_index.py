@@ -82,12 +82,40 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
                 out[f"{r['method']}@{r['prompt_tokens']}"] = _num(r["propose_ms_per_token"])
             if "propose_vs_eagle" in r:
                 out[f"moa/eagle@{r['prompt_tokens']}"] = _num(r["propose_vs_eagle"])
+    elif kind == "hsd":
+        for r in rows:
+            out[f"{'+'.join(map(_short, r['levels'])) or 'plain'}"] = _num(r["vs_plain"])
+            out[f"{'+'.join(map(_short, r['levels'])) or 'plain'}/measured_over_predicted"] = _num(
+                r["measured_latency_s"] / r["predicted_latency_s"]
+            )
     elif kind == "testbed":
         for method, r in rows.items():
             for k, v in r.items() if method != "plain" else []:
                 if isinstance(v, dict) and "tau" in v:
                     out[f"{method}@{k}"] = _num(v["tau"])
     return out
+
+
+def _short(level: str) -> str:
+    """A hierarchy level's name in figures: `ngram` or its directory's last part."""
+    return Path(level).name
+
+
+def _hsd(data: dict[str, Any]) -> Iterator[list[Any]]:
+    yield ["arm", "stack (buffers)", "tok/s", "vs plain", "target calls/token",
+           "ms/token measured", "ms/token predicted"]  # fmt: skip
+    for r in data["results"]:
+        stack = " -> ".join([*map(_short, r["levels"]), "target"]) if r["levels"] else "plain"
+        sizes = f" ({','.join(map(str, r['buffers']))})" if r["buffers"] else ""
+        yield [
+            r["arm"],
+            stack + sizes,
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['vs_plain']:.2f}",
+            f"{r['target_calls_per_token']:.3f}",
+            f"{r['measured_latency_s'] * 1e3:.2f}",
+            f"{r['predicted_latency_s'] * 1e3:.2f}",
+        ]
 
 
 def _remote_name(r: dict[str, Any]) -> str:
@@ -321,6 +349,7 @@ TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
     "throughput": _throughput,
     "serve_sweep": _serve_sweep,
     "standalone_adaptive": _standalone,
+    "hsd": _hsd,
     "remote_links": _remote_links,
     "remote_capacity": _remote_capacity,
     "remote_disconnect": _remote_disconnect,

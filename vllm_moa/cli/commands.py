@@ -14,7 +14,7 @@ import torch
 if TYPE_CHECKING:
     from vllm_moa.demo import DemoRecipe
 
-NGRAM = "ngram"  # `--drafter ngram`: prompt-lookup drafting, no model
+NGRAM = "ngram"  # `--drafter ngram`: prompt-lookup drafting, no model (decoding.factory's)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -100,8 +100,11 @@ def run_generation(
     dtype: torch.dtype = torch.float32,
     tree: Any = None,
     adaptive: bool = True,
+    hierarchy: list[str] | None = None,
+    buffers: list[int] | None = None,
 ) -> dict[str, Any]:
-    """Load target (+ drafter), generate, and return the CLI's JSON record."""
+    """Load target (+ drafter, or the levels of a hierarchy), generate, and return the CLI's
+    JSON record."""
     from transformers import AutoTokenizer
 
     from vllm_moa.checkpoint import load_drafter
@@ -110,6 +113,12 @@ def run_generation(
 
     sampling = sampling or SamplingParams()
     target = HFTarget.from_pretrained(target_dir, dtype=dtype, device=device)
+    if hierarchy is not None:
+        from vllm_moa.cli.hsd import run_hierarchy
+
+        return run_hierarchy(
+            target, target_dir, hierarchy, buffers, prompt, chat, max_new_tokens, sampling, seed
+        )
     proposer: Any = None
     if drafter_dir == NGRAM:
         from vllm_moa.decoding.ngram_proposer import NgramProposer
@@ -153,6 +162,13 @@ def _print_stats(record: dict[str, Any], file: Any = sys.stdout) -> None:
         f"finish={record['finish_reason']}]",
         file=file,
     )
+    for level in record.get("levels", []):
+        print(
+            f"  [level {level['name']} (T={level['buffer']}): {level['forward_passes']} passes, "
+            f"{level['accepted']}/{level['proposed']} tokens accepted above, "
+            f"alpha={level['alpha']:.2f}]",
+            file=file,
+        )
 
 
 def _tree_params(args: argparse.Namespace) -> Any:
@@ -172,10 +188,12 @@ def _tree_params(args: argparse.Namespace) -> Any:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from vllm_moa.cli.hsd import hierarchy_args
     from vllm_moa.decoding import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     device, dtype = _runtime(args)
+    hierarchy, buffers = hierarchy_args(args)
     tree = _tree_params(args)
     record = run_generation(
         args.target,
@@ -190,6 +208,8 @@ def generate(args: argparse.Namespace) -> int:
         dtype=dtype,
         tree=tree,
         adaptive=args.adaptive,
+        hierarchy=hierarchy,
+        buffers=buffers,
     )
     if args.json:
         print(json.dumps(record))

@@ -11,7 +11,7 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from vllm_moa.cli import commands
+from vllm_moa.cli import commands, hsd
 from vllm_moa.training.config import TrainConfig
 
 
@@ -125,8 +125,57 @@ def build_parser() -> argparse.ArgumentParser:
         help="choose each cycle's draft length (0..K) from acceptance and measured costs "
         "(default); --no-adaptive: always K",
     )
+    p.add_argument(
+        "--hierarchy",
+        default=None,
+        metavar="LEVELS",
+        help="hierarchical speculative decoding instead of --drafter: the levels below the "
+        "target, bottom first, comma-separated, each `ngram` or a drafter directory (e.g. "
+        "ngram,DRAFTER_DIR); only the bottom drafts, each level verifies the one below",
+    )
+    p.add_argument(
+        "--buffers",
+        default=None,
+        metavar="T0,T1,...",
+        help="with --hierarchy: each level's buffer size T, bottom first (default 4 each; "
+        "`vllm-moa hsd-plan` chooses them)",
+    )
     _add_runtime_flags(p)
     p.set_defaults(func=commands.generate)
+
+    p = sub.add_parser(
+        "hsd-plan",
+        help="choose a hierarchy of drafters (levels and buffer sizes) from measured costs and "
+        "acceptance",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from", dest="from_file", metavar="FILE", help="planner inputs (JSON)")
+    src.add_argument(
+        "--measure", action="store_true", help="measure them first (--target, --candidates)"
+    )
+    p.add_argument("--target", default=None, help="target model directory (with --measure)")
+    p.add_argument(
+        "--candidates",
+        default=None,
+        metavar="LEVELS",
+        help="with --measure: the candidate levels, bottom first, comma-separated, each `ngram` "
+        "or a drafter directory; a stack keeps this order",
+    )
+    p.add_argument(
+        "--prompts",
+        default=None,
+        help="JSONL (.gz too) of records with `prompt` or `turns`, or a text file holding one "
+        "prompt (default: a few built-in prompts)",
+    )
+    p.add_argument("--num-prompts", type=positive_int, default=4)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="per acceptance run")
+    p.add_argument("--temperature", type=float, default=0.0, help="the sampling to plan for")
+    p.add_argument("--out", default=None, help="write the measured planner inputs here (JSON)")
+    p.add_argument("--max-buffer", type=positive_int, default=8, help="largest T searched")
+    p.add_argument("--top", type=positive_int, default=6, help="stacks listed")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_runtime_flags(p)
+    p.set_defaults(func=hsd.hsd_plan)
 
     p = sub.add_parser(
         "remote-server", help="serve a target for drafters on client devices (client-server)"

@@ -88,22 +88,9 @@ class SpeculativeEngine:
     def _check_request(
         self, prompt_ids: Sequence[int], max_new_tokens: int, num_speculative_tokens: int
     ) -> None:
-        vocab = self.target.shape.vocab_size
-        if not prompt_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_request(self.target, prompt_ids, max_new_tokens)
         if self.proposer is not None and num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        limit = self.target.max_length
-        if len(prompt_ids) >= limit:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens but the model's context is {limit}: "
-                f"shorten it to at most {limit - 1} tokens"
-            )
 
     @torch.no_grad()
     def generate(
@@ -286,10 +273,35 @@ class SpeculativeEngine:
     def _finish_reason(
         self, generated: list[int], prompt_len: int, max_new_tokens: int, eos: set[int]
     ) -> str | None:
-        if generated[-1] in eos:
-            return "eos"
-        if len(generated) >= max_new_tokens:
-            return "length"
-        if prompt_len + len(generated) >= self.target.max_length:
-            return "context"
-        return None
+        return finish_reason(self.target, generated, prompt_len, max_new_tokens, eos)
+
+
+def check_request(target: HFTarget, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+    """A prompt and length the target can take (ValueError naming the fix otherwise)."""
+    vocab = target.shape.vocab_size
+    if not prompt_ids:
+        raise ValueError("prompt is empty: give at least one token")
+    bad = [t for t in prompt_ids if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    limit = target.max_length
+    if len(prompt_ids) >= limit:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens but the model's context is {limit}: "
+            f"shorten it to at most {limit - 1} tokens"
+        )
+
+
+def finish_reason(
+    target: HFTarget, generated: list[int], prompt_len: int, max_new_tokens: int, eos: set[int]
+) -> str | None:
+    """Why generation stops after `generated` (None: it goes on)."""
+    if generated[-1] in eos:
+        return "eos"
+    if len(generated) >= max_new_tokens:
+        return "length"
+    if prompt_len + len(generated) >= target.max_length:
+        return "context"
+    return None

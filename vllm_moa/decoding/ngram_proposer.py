@@ -56,15 +56,34 @@ class NgramProposer:
         generator: torch.Generator | None,
         forced: Sequence[int] = (),
     ) -> DraftProposal:
-        seq = [*self.tokens, last_token, *forced[:num_tokens]]
-        drafts = list(forced[:num_tokens])
-        while len(drafts) < num_tokens:  # looked up again past each forced or drafted token
+        given = list(forced[:num_tokens])
+        drafts = given + self._continue([*self.tokens, last_token, *given], num_tokens - len(given))
+        self._last_token = last_token
+        return self._point_masses(drafts, params)
+
+    def draft_after(
+        self,
+        pending: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftProposal:
+        """Drafts after the tokens and `pending` (a hierarchy's bottom level); no state change."""
+        return self._point_masses(self._continue([*self.tokens, *pending], num_tokens), params)
+
+    def _continue(self, seq: list[int], num_tokens: int) -> list[int]:
+        """Up to num_tokens drafts after seq, looked up again past each drafted run."""
+        drafts: list[int] = []
+        seq = list(seq)
+        while len(drafts) < num_tokens:
             more = lookup(seq, num_tokens - len(drafts), self.min_n, self.max_n)
             if not more:
                 break
             drafts += more
             seq += more
-        self._last_token = last_token
+        return drafts
+
+    def _point_masses(self, drafts: list[int], params: SamplingParams) -> DraftProposal:
         points = torch.zeros(len(drafts), self.vocab_size)
         points[torch.arange(len(drafts)), torch.tensor(drafts, dtype=torch.long)] = 1.0
         logits = torch.full_like(points, -1e4).masked_fill_(points.bool(), 0.0)

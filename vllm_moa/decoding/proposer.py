@@ -68,6 +68,33 @@ class TreeProposer(Proposer, Protocol):
     def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree: ...
 
 
+@runtime_checkable
+class LevelProposer(Proposer, Protocol):
+    """A proposer that can be the bottom level of a hierarchy (decoding/hierarchy.py): it drafts
+    after tokens the target has not verified yet. `pending`: the tokens after the verified
+    prefix, the sampled-but-unverified last token first, then what the levels above accepted
+    this cycle. The call leaves the proposer's state as it found it (the verified prefix only);
+    what the target keeps reaches it through `catch_up`."""
+
+    def draft_after(
+        self,
+        pending: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftProposal: ...
+
+
+@runtime_checkable
+class LevelScorer(LevelProposer, Protocol):
+    """A proposer that can also verify the level below it (an intermediate level): `score`
+    returns its next-token logits [n+1, V] after `pending` + tokens[:j] for j = 0..n, the same
+    distributions it drafts from, computed together (one pass over the new positions where its
+    architecture allows). Like `draft_after`, it leaves the state as it found it."""
+
+    def score(self, pending: list[int], tokens: list[int]) -> torch.Tensor: ...
+
+
 def draft_token(
     logits: torch.Tensor,
     i: int,

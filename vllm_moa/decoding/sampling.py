@@ -87,6 +87,7 @@ def verify_rejection(
     drawn from p_{K+1}.
     """
     k = len(draft)
+    draft_probs = draft_probs.to(target_probs.device)  # prompt lookup's point masses: on the CPU
     idx = torch.arange(k, device=target_probs.device)
     tok = torch.tensor(draft, device=target_probs.device)
     p = target_probs[idx, tok]

@@ -6,6 +6,48 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class LevelStats:
+    """One drafter level of a hierarchy (decoding/hierarchy.py), over one generation."""
+
+    name: str  # `ngram`, or the drafter's kind and directory
+    buffer: int  # T: the tokens it gathers before handing them up
+    requests: int = 0  # blocks the level above asked it for
+    requested: int = 0  # tokens asked of the bottom level (it may draft fewer: prompt lookup)
+    forward_passes: int = 0  # of its model: draft steps (bottom) or scoring passes (above it)
+    proposed: int = 0  # tokens it handed to the level above
+    accepted: int = 0  # of those, accepted by the level above
+    rejections: int = 0  # verifications of its tokens that rejected one (the rest accepted all)
+    time_s: float = 0.0  # in its own calls (drafting or scoring), lower levels excluded
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed (tokens after a rejection count as not accepted)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance under the IID model (the planner's alpha): the accepted over the
+        tokens actually tested, each verification testing tokens up to its first rejection."""
+        tested = self.accepted + self.rejections
+        return self.accepted / tested if tested else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "buffer": self.buffer,
+            "requests": self.requests,
+            "requested": self.requested,
+            "forward_passes": self.forward_passes,
+            "proposed": self.proposed,
+            "accepted": self.accepted,
+            "rejections": self.rejections,
+            "acceptance_rate": self.acceptance_rate,
+            "alpha": self.alpha,
+            "time_s": self.time_s,
+        }
+
+
+@dataclass
 class GenerationStats:
     num_speculative_tokens: int  # K (0 = plain decoding)
     num_generated_tokens: int = 0
@@ -19,6 +61,8 @@ class GenerationStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [K]
     # draft_length_histogram[k] = cycles that drafted k tokens (adaptive speculation's choices)
     draft_length_histogram: list[int] = field(default_factory=list)
+    # A hierarchy's drafter levels, bottom first (empty for one drafter or none)
+    levels: list[LevelStats] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         k = self.num_speculative_tokens
@@ -65,6 +109,12 @@ class GenerationStats:
         return self.num_target_calls / max(1, self.num_generated_tokens)
 
     def to_dict(self) -> dict[str, object]:
+        out = self._target_dict()
+        if self.levels:
+            out["levels"] = [level.to_dict() for level in self.levels]
+        return out
+
+    def _target_dict(self) -> dict[str, object]:
         return {
             "num_speculative_tokens": self.num_speculative_tokens,
             "num_generated_tokens": self.num_generated_tokens,

@@ -63,9 +63,61 @@ class EagleProposer:
         gen: torch.Generator | None,
         forced: Sequence[int] = (),
     ) -> DraftProposal:
+        p = len(self.tokens)
+        proposal = self._chain([last_token], num_tokens, params, gen, forced)
+        self.cache.crop(p)  # positions >= p used predicted features
+        self._last_token = last_token
+        return proposal
+
+    def draft_after(
+        self,
+        pending: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        gen: torch.Generator | None,
+    ) -> DraftProposal:
+        """Drafts after the tokens and `pending` (a hierarchy's bottom level), the pending
+        positions on predicted features as when drafting; then the cache as before."""
+        proposal = self._chain(pending, num_tokens, params, gen, ())
+        self.cache.crop(max(0, len(self.tokens) - 1))  # position p-1's input holds pending[0]
+        return proposal
+
+    @torch.no_grad()
+    def score(self, pending: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits [n+1, V] after `pending` + tokens[:j] (a hierarchy's intermediate level): the
+        distributions drafting gives them. Each position's input is the feature predicted at
+        the one before (no target feature exists past the verified tokens), so the layer runs
+        one position at a time, as when drafting; the LM head runs once on all n+1 states."""
+        state, predicted = self._predict(pending)
+        states = [state]
+        at = len(self.tokens) + len(pending) - 1  # the last pending token's position
+        for i, token in enumerate(tokens):
+            state, predicted = self._step(at + i, [token], predicted[None])
+            states.append(state)
+        self.cache.crop(max(0, len(self.tokens) - 1))
+        return self.target.lm_logits(torch.stack(states).to(self.target.dtype))
+
+    def _predict(self, pending: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The heads [E] (LM-head state, predicted feature) at the last pending position: the
+        uncached verified positions on the target's features, then each further pending token
+        on the feature predicted before it."""
         p, first = len(self.tokens), self.cache.length()
-        seq = [*self.tokens, last_token]
+        seq = [*self.tokens, pending[0]]
         state, predicted = self._step(first, seq[first + 1 : p + 1], self.features[first:p])
+        for j, token in enumerate(pending[1:]):  # input p+j: (pending[j+1], predicted f_{p+j})
+            state, predicted = self._step(p + j, [token], predicted[None])
+        return state, predicted
+
+    def _chain(
+        self,
+        pending: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        gen: torch.Generator | None,
+        forced: Sequence[int],
+    ) -> DraftProposal:
+        state, predicted = self._predict(pending)
+        at = len(self.tokens) + len(pending) - 1
         drafts: list[int] = []
         logits, probs = [], []
         for i in range(num_tokens):
@@ -75,10 +127,8 @@ class EagleProposer:
             logits.append(row)
             if dist is not None:
                 probs.append(dist)
-            if i + 1 < num_tokens:  # position p+i: (draft token, predicted feature)
-                state, predicted = self._step(p + i, [token], predicted[None])
-        self.cache.crop(p)  # positions >= p used predicted features
-        self._last_token = last_token
+            if i + 1 < num_tokens:  # position at+i: (draft token, predicted feature)
+                state, predicted = self._step(at + i, [token], predicted[None])
         return stack_proposal(drafts, logits, probs)
 
     def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:

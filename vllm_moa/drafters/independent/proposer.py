@@ -35,8 +35,8 @@ class IndependentProposer:
         self._last_token = None
 
     @torch.no_grad()
-    def _logits(self, seq: list[int]) -> torch.Tensor:
-        """Feed seq[cached:] and return the logits [V] after its last token."""
+    def _logits(self, seq: list[int], rows: int = 1) -> torch.Tensor:
+        """Feed seq[cached:] and return the logits after its last `rows` tokens, [rows, V]."""
         first, device = self.cache.length(), self.target.device
         positions = torch.arange(first, len(seq), device=device)
         h = self.target.embed(torch.tensor(seq[first:], device=device))[None]
@@ -45,8 +45,8 @@ class IndependentProposer:
         for i, block in enumerate(self.drafter.blocks):
             k, v = self.cache.update(*block.kv_from(h, positions), i)
             h = block(h, positions, k, v, mask)
-        last = self.drafter.norm(h[:, -1])
-        return self.target.lm_logits(last.to(self.target.dtype))[0]
+        last = self.drafter.norm(h[0, -rows:])
+        return self.target.lm_logits(last.to(self.target.dtype))
 
     def propose(
         self,
@@ -56,18 +56,49 @@ class IndependentProposer:
         gen: torch.Generator | None,
         forced: Sequence[int] = (),
     ) -> DraftProposal:
-        seq = [*self.tokens, last_token]
+        proposal = self._chain([*self.tokens, last_token], num_tokens, params, gen, forced)
+        self._last_token = last_token
+        return proposal
+
+    def draft_after(
+        self,
+        pending: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        gen: torch.Generator | None,
+    ) -> DraftProposal:
+        """Drafts after the tokens and `pending` (a hierarchy's bottom level); then the cache
+        holds the verified tokens' K/V only, as before."""
+        proposal = self._chain([*self.tokens, *pending], num_tokens, params, gen, ())
+        self.cache.crop(len(self.tokens))
+        return proposal
+
+    def score(self, pending: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits [n+1, V] after `pending` + tokens[:j] (a hierarchy's intermediate level): one
+        causal pass of the layers over the positions not cached; then the cache as before."""
+        logits = self._logits([*self.tokens, *pending, *tokens], len(tokens) + 1)
+        self.cache.crop(len(self.tokens))
+        return logits
+
+    def _chain(
+        self,
+        seq: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        gen: torch.Generator | None,
+        forced: Sequence[int],
+    ) -> DraftProposal:
+        seq = list(seq)
         drafts: list[int] = []
         logits, probs = [], []
         for i in range(num_tokens):
-            row = self._logits(seq)
+            row = self._logits(seq)[0]
             token, dist = draft_token(row, i, forced, params, gen)
             drafts.append(token)
             seq.append(token)
             logits.append(row)
             if dist is not None:
                 probs.append(dist)
-        self._last_token = last_token
         return stack_proposal(drafts, logits, probs)
 
     def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
@@ -111,7 +142,7 @@ class IndependentTreeDrafter(TreeSearch):
         prop = self.prop
         seq = [*prop.tokens, self.last_token]
         self.p = len(seq) - 1  # the last token's position; the cache now holds 0..p
-        logits = prop._logits(seq)
+        logits = prop._logits(seq)[0]
         self.kv = NodeKV({i: prop.cache.get(i) for i in range(len(prop.drafter.blocks))})
         return logits
 

@@ -8,7 +8,9 @@ State between cycles (p = number of tokens the target has verified):
 
 A cycle drafts from the last token (position p, sampled by the target but not yet run through
 it): SA over the pending tokens, CA over the memory, then TLI's target tail layers (their draft
-K/V are cropped off the target cache afterwards) and the target's LM head.
+K/V are cropped off the target cache afterwards) and the target's LM head. In a hierarchy
+(decoding/hierarchy.py) the same step drafts after several unverified tokens (`draft_after`) or
+scores a block of them in one pass (`score`), leaving this state as it was.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from vllm_moa.decoding.proposer import DraftProposal, draft_token
+from vllm_moa.decoding.proposer import DraftProposal, draft_token, stack_proposal
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree
 from vllm_moa.decoding.tree_search import NodeKV, TreeSearch
@@ -73,30 +75,43 @@ class MoAProposer:
     @torch.no_grad()
     def draft_logits(self, position: int) -> torch.Tensor:
         """Drafter logits [V] predicting token position + 1, given tokens[0..position]."""
+        h = self._draft_hidden(position, position)
+        return self.target.lm_logits(h.to(self.target.dtype))[0]
+
+    @torch.no_grad()
+    def _draft_hidden(self, start: int, end: int) -> torch.Tensor:
+        """The drafting step on positions start..end at once, each row seeing tokens up to its
+        own (causal SA over the pending tokens, CA over the memory, then TLI's target layers):
+        the final hidden states [end - start + 1, E] (LM head inputs). Needs the SA cache to
+        hold no position past `start` and, with TLI, those layers' cache exactly positions
+        < start (the verified ones, then this draft's earlier positions)."""
         first = self.sa_cache.length()
         device = self.target.device
-        ids = torch.tensor(self.tokens[first : position + 1], device=device)
-        positions = torch.arange(first, position + 1, device=device)
+        ids = torch.tensor(self.tokens[first : end + 1], device=device)
+        positions = torch.arange(first, end + 1, device=device)
         emb = self.target.embed(ids).to(self.dtype)  # [n, E]
-        if len(ids) > 1:  # SA K/V of the earlier pending tokens; the step adds the last one's
-            k, v = self.drafter.self_attention.kv_from(emb[None, :-1], positions[:-1])
+        before = start - first  # pending tokens before the first row: their SA K/V only
+        if before > 0:
+            k, v = self.drafter.self_attention.kv_from(emb[None, :before], positions[:before])
             self.sa_cache.update(k, v, 0)
+        rows = positions[before:]
+        # One row: it sees every cached key (all at positions <= it); more: causal among them.
+        keys_at = torch.arange(end + 1, device=device)
+        causal = None if len(rows) == 1 else keys_at[None, :] <= rows[:, None]  # [n, end + 1]
 
         def self_attend(q: torch.Tensor, k: Tensor | None, v: Tensor | None) -> torch.Tensor:
             assert k is not None and v is not None
-            keys, values = self.sa_cache.update(k[:, :, None], v[:, :, None], 0)
-            # The query sees every cached key (all at positions <= it).
-            return masked_attention(q[:, :, None], keys, values, None)[:, :, 0]
+            keys, values = self.sa_cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0)
+            return rows_attention(q, keys, values, causal)
 
         def cross_attend(q: torch.Tensor, *_: Tensor | None) -> torch.Tensor:
             # Every memory row (< verified_len <= position) is visible to a drafted position.
-            keys, values = self.memory.get(0)
-            return masked_attention(q[:, :, None], keys, values, None)[:, :, 0]
+            return rows_attention(q, *self.memory.get(0), None)
 
-        h = self.drafter.draft_step(emb[-1:], positions[-1:], self_attend, cross_attend)
+        h = self.drafter.draft_step(emb[before:], rows, self_attend, cross_attend)
         if self.tli:
-            h = self.target.run_tail_layers(h, positions[-1:], self.tli)
-        return self.target.lm_logits(h.to(self.target.dtype))[0]
+            h = self.target.run_tail_layers(h, rows, self.tli)
+        return h
 
     def propose(
         self,
@@ -107,23 +122,71 @@ class MoAProposer:
         forced: Sequence[int] = (),
     ) -> DraftProposal:
         p = self._check_sync()
-        self.tokens.append(last_token)
+        proposal = self._chain([last_token], num_tokens, params, generator, forced)
+        self._end_draft(p, last_token)
+        return proposal
+
+    def draft_after(
+        self,
+        pending: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ) -> DraftProposal:
+        """Drafts after the verified tokens and `pending` (a hierarchy's bottom level): the
+        chain of propose(), from the pending tokens' positions; then the state as before."""
+        p = self._check_sync()
+        proposal = self._chain(pending, num_tokens, params, generator, ())
+        self._restore(p)
+        return proposal
+
+    @torch.no_grad()
+    def score(self, pending: list[int], tokens: list[int]) -> torch.Tensor:
+        """Logits [n+1, V] after `pending` + tokens[:j] (a hierarchy's intermediate level): one
+        SA + CA pass over the new positions (from p with TLI, whose layers need the pending
+        positions' K/V too), the distributions drafting gives them (CA sees the memory of
+        verified tokens only, as when drafting); then the state as before."""
+        p = self._check_sync()
+        self.tokens.extend([*pending, *tokens])
+        last = p + len(pending) - 1  # the last pending token's position: the first row
+        h = self._draft_hidden(p if self.tli else last, len(self.tokens) - 1)
+        logits = self.target.lm_logits(h[-(len(tokens) + 1) :].to(self.target.dtype))
+        self._restore(p)
+        return logits
+
+    def _chain(
+        self,
+        pending: list[int],
+        num_tokens: int,
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        forced: Sequence[int],
+    ) -> DraftProposal:
+        """Draft num_tokens after the verified tokens + pending (appended to tokens; the caller
+        restores them)."""
+        p = self.verified_len
+        self.tokens.extend(pending)
+        last = len(self.tokens) - 1
+        if self.tli and num_tokens and last > p:  # TLI layers' K/V at the other pending positions
+            self._draft_hidden(p, last - 1)
         drafts: list[int] = []
         logits, probs = [], []
         for i in range(num_tokens):
-            row = self.draft_logits(p + i)
+            row = self.draft_logits(last + i)
             token, dist = draft_token(row, i, forced, params, generator)
             drafts.append(token)
             self.tokens.append(token)
             logits.append(row)
             if dist is not None:
                 probs.append(dist)
-        self._end_draft(p, last_token)
-        return DraftProposal(
-            tokens=drafts,
-            logits=torch.stack(logits) if logits else torch.empty(0),
-            probs=torch.stack(probs) if probs else None,
-        )
+        return stack_proposal(drafts, logits, probs)
+
+    def _restore(self, p: int) -> None:
+        """Back to the p verified tokens, with nothing drafted in the caches."""
+        del self.tokens[p:]
+        self.sa_cache.crop(p)
+        if self.tli:
+            self.target.crop(p)
 
     def propose_tree(self, last_token: int, depth: int, breadth: int, budget: int) -> DraftTree:
         """EAGLE-2 tree below `last_token` (the Trees section); then state as after propose()."""
