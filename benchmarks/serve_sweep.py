@@ -10,8 +10,10 @@ request rate, `vllm bench serve` (backend vllm, the held-out prompts as a custom
 `--num-prompts` requests with `--max-tokens` output tokens each, ignore_eos, greedy, Poisson
 arrivals, fixed seed: every method serves the same requests) reports output tokens/s and
 TTFT / TPOT / end-to-end latency percentiles; acceptance (tau, per position) comes from the
-server's own `/metrics` read around each rate. Writes a JSON (config, git SHA, machine, figures)
-and a PNG beside it.
+server's own `/metrics` read around each rate. `--rounds N` sweeps the rates N times per server
+and reports each figure's median (and each round's throughput); a MoA arm's row also keeps the
+adaptive rule's last log line (its choices and fitted costs). Writes a JSON (config, git SHA,
+machine, figures) and a PNG beside it.
 """
 
 from __future__ import annotations
@@ -113,6 +115,50 @@ def bench(server: Server, args: argparse.Namespace, dataset: Path, rate: str, ou
     return dict(json.loads(out.read_text()))
 
 
+ADAPTIVE = "MoA adaptive speculation:"
+
+
+def _measure(
+    server: Server, args: argparse.Namespace, dataset: Path, rate: str, out: Path
+) -> dict[str, Any]:
+    """One `vllm bench serve` run at `rate`: throughput, latencies, and the acceptance the
+    server's counters moved by."""
+    before = spec_counts(server.base)
+    got = bench(server, args, dataset, rate, out)
+    after = spec_counts(server.base)
+    row: dict[str, Any] = {
+        "output_tokens_per_s": got["output_throughput"],
+        "e2e_latency_p50_ms": got["p50_e2el_ms"],
+        "e2e_latency_p99_ms": got["p99_e2el_ms"],
+        "ttft_p50_ms": got["p50_ttft_ms"],
+        "tpot_p50_ms": got["p50_tpot_ms"],
+        "completed": got["completed"],
+    }
+    drafts = after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]]
+    if drafts:
+        accepted = after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]]
+        row["tau"] = 1 + accepted / drafts
+        row["acceptance_per_position"] = [
+            (a - b) / drafts for a, b in zip(after["per_pos"], before["per_pos"], strict=False)
+        ]
+    return row
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure's median over rounds (the round whose throughput is the median gives the
+    per-position acceptance)."""
+    import statistics
+
+    out: dict[str, Any] = {}
+    for key, value in runs[0].items():
+        if isinstance(value, int | float) and all(key in r for r in runs):
+            out[key] = statistics.median(r[key] for r in runs)
+    middle = sorted(runs, key=lambda r: r["output_tokens_per_s"])[len(runs) // 2]
+    if "acceptance_per_position" in middle:
+        out["acceptance_per_position"] = middle["acceptance_per_position"]
+    return out
+
+
 def write_dataset(prompts_path: str, count: int, where: Path) -> Path:
     from benchmarks.testbed.evaluate import read_prompts
 
@@ -169,6 +215,10 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument(
+        "--rounds", type=int, default=1,
+        help="sweep the rates this many times per server; each figure is the median over rounds",
+    )  # fmt: skip
+    p.add_argument(
         "--adaptive", default="both", choices=["both", "on", "off"],
         help="MoA with adaptive speculation length (the default a user gets), with the fixed K "
         '("moa_adaptive": false; suffix _fixed), or both (one server each)',
@@ -199,30 +249,22 @@ def main() -> None:
     for method, spec in methods.items():
         server = Server(args.target, spec, work / f"{method}.log", args.max_model_len)
         try:
+            runs: dict[str, list[dict[str, Any]]] = {rate: [] for rate in args.rates}
+            for round_ in range(args.rounds):
+                for rate in args.rates:
+                    result = work / f"{method}_{rate}_{round_}.json"
+                    runs[rate].append(_measure(server, args, dataset, rate, result))
+                    print(method, rate, json.dumps(runs[rate][-1]), flush=True)
             for rate in args.rates:
-                before = spec_counts(server.base)
-                got = bench(server, args, dataset, rate, work / f"{method}_{rate}.json")
-                after = spec_counts(server.base)
-                row: dict[str, Any] = {
-                    "method": method,
-                    "request_rate": rate,
-                    "output_tokens_per_s": got["output_throughput"],
-                    "e2e_latency_p50_ms": got["p50_e2el_ms"],
-                    "e2e_latency_p99_ms": got["p99_e2el_ms"],
-                    "ttft_p50_ms": got["p50_ttft_ms"],
-                    "tpot_p50_ms": got["p50_tpot_ms"],
-                    "completed": got["completed"],
-                }
-                drafts = after[SPEC_COUNTERS[0]] - before[SPEC_COUNTERS[0]]
-                if drafts:
-                    accepted = after[SPEC_COUNTERS[1]] - before[SPEC_COUNTERS[1]]
-                    row["tau"] = 1 + accepted / drafts
-                    row["acceptance_per_position"] = [
-                        (a - b) / drafts
-                        for a, b in zip(after["per_pos"], before["per_pos"], strict=False)
+                row = {"method": method, "request_rate": rate, **_median(runs[rate])}
+                if args.rounds > 1:
+                    row["rounds_output_tokens_per_s"] = [
+                        r["output_tokens_per_s"] for r in runs[rate]
                     ]
                 rows.append(row)
-                print(json.dumps(row), flush=True)
+            summary = [line for line in server.log.read_text().splitlines() if ADAPTIVE in line]
+            if summary:  # the adaptive rule's last report: its choices and fitted costs
+                rows[-1]["adaptive_log"] = summary[-1].split(ADAPTIVE, 1)[1].strip()
         finally:
             server.stop()
     plain = {r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
