@@ -1,7 +1,7 @@
 """vLLM serving throughput: plain decoding vs MoA (and vLLM's own EAGLE) across batch sizes.
 
     python -m benchmarks.throughput --target DIR --drafter DIR --prompts HumanEval.jsonl.gz \
-        [--eagle EAGLE_DIR] --out benchmarks/results/throughput_cpu.json
+        [--eagle EAGLE_DIR] --out benchmarks/results/throughput.json
 
 `--eagle` takes an EAGLE drafter from our pipeline (`vllm-moa train --method eagle`; exported
 to vLLM's EAGLE format on the fly) or an already exported one, served by vLLM's built-in `eagle`
