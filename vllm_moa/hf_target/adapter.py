@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from vllm_moa.hf_target import tree_kernel
+import vllm_moa.hf_target.tree_kernel as tree_kernel
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.layers import use_kernels
