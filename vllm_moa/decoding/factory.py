@@ -11,11 +11,16 @@ from torch import nn
 from vllm_moa.decoding.proposer import LevelProposer, Proposer
 from vllm_moa.drafters import kind_of
 from vllm_moa.hf_target.adapter import SUPPORTED_MODEL_TYPES, HFTarget
+from vllm_moa.model.packed_linear import pack_linears
 
 NGRAM = "ngram"  # prompt lookup (decoding/ngram_proposer.py): no model
 
 
 def make_proposer(drafter: nn.Module, target: HFTarget) -> Proposer:
+    """The drafter's proposer, for inference with its weights as they are: on the CPU its
+    linear layers run oneDNN on prepacked copies of their weights (model/packed_linear.py), so
+    train no further the drafter handed here."""
+    pack_linears(drafter)
     proposer: Proposer = kind_of(drafter).proposer_class()(drafter, target)
     return proposer
 

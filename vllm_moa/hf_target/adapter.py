@@ -21,6 +21,7 @@ import vllm_moa.hf_target.tree_kernel as tree_kernel
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.layers import use_kernels
+from vllm_moa.model.packed_linear import pack_linears
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED_MODULES = (
@@ -117,6 +118,7 @@ class HFTarget:
     def __init__(self, model: Any) -> None:
         # `model` is any HF causal LM passing check_supported(); typed Any as HF modules are.
         check_supported(model)
+        pack_linears(model)  # CPU: oneDNN on prepacked weights (model/packed_linear.py)
         self.model: Any = model.eval()
         self.config: Any = model.config
         inner: Any = model.model
