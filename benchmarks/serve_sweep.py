@@ -23,6 +23,7 @@ import json
 import os
 import re
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,8 +148,6 @@ def _measure(
 def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure's median over rounds (the round whose throughput is the median gives the
     per-position acceptance)."""
-    import statistics
-
     out: dict[str, Any] = {}
     for key, value in runs[0].items():
         if isinstance(value, int | float) and all(key in r for r in runs):

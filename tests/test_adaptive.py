@@ -102,8 +102,8 @@ def test_a_long_catch_up_is_paid_only_where_the_steps_left_repay_it():
     assert c.draft_row == pytest.approx(0.001)
     good = AcceptanceTracker(K, alpha=[0.8] * K)
     lengths = AdaptiveLengths(K, c)
-    few = lengths.choose([good, good], [K, K], catch_up=[1, 501], remaining=[3, 3])
-    many = lengths.choose([good, good], [K, K], catch_up=[1, 501], remaining=[3000, 3000])
+    few = lengths.choose([good, good], [K, K], catch_up=[0, 500], remaining=[3, 3])
+    many = lengths.choose([good, good], [K, K], catch_up=[0, 500], remaining=[3000, 3000])
     assert few[0] == K and few[1] == 0
     assert many == [K, K]
 

@@ -315,7 +315,7 @@ def entry_costs(
     out = []
     for t, b, c, left in zip(trackers, budgets, catch_up, remaining, strict=True):
         steps = max(1.0, left / t.expected_tokens(b)) if b else 1.0
-        out.append(costs.draft_row * max(c - 1, 0) / steps)  # the newest row: a step's own
+        out.append(costs.draft_row * c / steps)
     return out
 
 
@@ -397,8 +397,8 @@ class AdaptiveLengths:
         remaining: list[int] | None = None,
     ) -> list[int]:
         """Drafts per request this step: the goodput rule, or a probe while it drafts nothing.
-        `catch_up`: history rows each request must write before it drafts (1 when it drafted
-        the step before); `remaining`: tokens each may still generate."""
+        `catch_up`: history rows each request must write before it drafts beyond a step's own
+        (0 when it drafted the step before); `remaining`: tokens each may still generate."""
         entry = None
         if catch_up is not None and remaining is not None and self.costs.known:
             entry = entry_costs(trackers, budgets, self.costs, catch_up, remaining)

@@ -141,7 +141,7 @@ class SpeculativeEngine:
         generated = [choose_token(out.logits[-1], params, gen)[0]]
         # The proposer sees the prompt (start) and plain cycles (catch_up) when it next drafts.
         behind = Backlog(proposer, list(prompt), [out]) if proposer is not None else None
-        finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
+        finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)
         while finish is None:
             last = generated[-1]
             position = len(prompt) + len(generated) - 1  # of `last`, not yet run by the target
@@ -151,7 +151,7 @@ class SpeculativeEngine:
             elif adaptive and k >= 1:
                 catch_up = len(behind.tokens) if behind is not None else 0
                 remaining = max_new_tokens - len(generated)
-                k = lengths.choose([tracker], [k], [catch_up + 1], [remaining])[0]
+                k = lengths.choose([tracker], [k], [catch_up], [remaining])[0]
             drafted_before = stats.num_draft_tokens
             if k >= 1 and behind is not None:
                 began = time.perf_counter()
@@ -173,7 +173,7 @@ class SpeculativeEngine:
                 tracker.observe(stats.num_draft_tokens - drafted_before, len(new) - 1)
             for token in new:
                 generated.append(token)
-                finish = self._finish_reason(generated, len(prompt), max_new_tokens, eos)
+                finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)
                 if finish is not None:
                     break
 
@@ -269,11 +269,6 @@ class SpeculativeEngine:
         self.proposer.accept(accepted, out.select(rows))
         stats.record_cycle(depth, len(accepted))
         return [*accepted, verdict.next_token]
-
-    def _finish_reason(
-        self, generated: list[int], prompt_len: int, max_new_tokens: int, eos: set[int]
-    ) -> str | None:
-        return finish_reason(self.target, generated, prompt_len, max_new_tokens, eos)
 
 
 def check_request(target: HFTarget, prompt_ids: Sequence[int], max_new_tokens: int) -> None:

@@ -349,7 +349,7 @@ class MoAVllmProposer:
             # Decode steps only: a prompt chunk's per-token cost is not a draft's.
             self.lengths.costs.observe_verify(tokens, time.perf_counter() - started)
         trackers: list[AcceptanceTracker] = []
-        catch_up: list[int] = []  # rows to write before drafting (1: it drafted last step)
+        catch_up: list[int] = []  # history rows to write before drafting
         remaining: list[int] = []  # tokens each request may still generate
         requests = runner.requests
         for row, state, n in zip(rows, states, lengths, strict=True):
@@ -359,7 +359,7 @@ class MoAVllmProposer:
             drafted = len(verified.get(req_ids[row], ()))  # ours: patch 4 (drafter fits)
             tracker.observe(drafted, max(len(sampled_token_ids[row]) - 1, 0))
             trackers.append(tracker)
-            catch_up.append(n - state.written)
+            catch_up.append(n - state.written - 1)  # all pending tokens but the last
             request = requests[req_ids[row]]
             params = request.sampling_params
             limit = params.max_tokens if params is not None else None
