@@ -15,8 +15,11 @@ from vllm_moa.decoding.adaptive import (
     PROBE_EVERY,
     AcceptanceTracker,
     AdaptiveLengths,
+    DraftGuard,
     Probes,
     StepCosts,
+    _best_lengths,
+    batch_bucket,
     choose_lengths,
 )
 from vllm_moa.drafters.moa.proposer import MoAProposer
@@ -91,6 +94,27 @@ def test_draft_phase_cost_separates_the_history_rows_written():
     for m in (1, 3, 2, 4) * 3:
         flat.observe_draft(m, 0.5 + 0.12 * m, m, 5)
     assert flat.draft_row == 0.0 and flat.step_time(0, 3) - flat.base == pytest.approx(0.86)
+
+
+def test_a_cost_the_steps_stop_identifying_keeps_its_last_value():
+    """A steady load (the same batch size, the same rows written every step) says nothing new
+    about b or r: they keep their identified values instead of dropping to 0, which made extra
+    verify tokens and a burst of prompts' rows look free (the rule then drafted at saturation
+    and paid a whole burst's catch-up at once)."""
+    c = costs(base=1.0, per_token=0.5, draft_step=0.1)
+    for _ in range(60):  # 16 requests, one token each, long enough to forget the spread
+        c.observe_verify(16, 1.0 + 0.5 * 16)
+    assert c.per_token == pytest.approx(0.5) and c.base == pytest.approx(1.0)
+    c = StepCosts(forget=0.2)
+    for batch, rows in ((1, 3), (4, 200), (16, 20), (2, 90), (8, 12), (4, 5)):
+        for m in (1, 3, 2, 4):
+            c.observe_draft(m, 0.5 + 0.1 * m + 0.02 * m * batch + 0.001 * rows, m * batch, rows)
+    for _ in range(60):  # then every phase drafts 2 steps for 8 requests and writes 16 rows
+        c.observe_draft(2, 0.5 + 0.2 + 0.02 * 16 + 0.001 * 16, 16, 16)
+    assert not c._identified((0, 1))  # the steady phases identify nothing any more
+    assert c.draft_row == pytest.approx(0.001, rel=1e-6)
+    assert c.draft_each == pytest.approx(0.02, rel=1e-6)
+    assert c.step_time(0, 2, 16, rows=2000) - c.base == pytest.approx(0.5 + 0.2 + 0.32 + 2.0)
 
 
 def test_a_long_catch_up_is_paid_only_where_the_steps_left_repay_it():
@@ -232,6 +256,47 @@ def test_closed_loop_never_loses_to_plain_or_static(p):
         assert sum(max(ks) > 0 for ks in chosen[50:]) < 0.1 * len(chosen[50:])
     if p == 0.9:
         assert sum(sum(ks) for ks in chosen[50:]) / (8 * len(chosen[50:])) > 3.5
+
+
+def test_guard_classes_and_what_it_leaves_unchecked():
+    assert [batch_bucket(b) for b in (1, 9, 16, 17, 18, 32, 64)] == [1, 9, 16, 17, 17, 24, 32]
+    guard = DraftGuard()
+    assert guard.decide(16, True, 1.5)  # a large predicted gain is trusted
+    assert not guard.decide(16, False, 1.0) and guard.pending == (16, 0)  # measured as "off"
+    guard.observe(9, 9, 0.03)  # the batch changed class: not counted
+    assert 16 not in guard.arms
+    # Close calls alternate until both arms have min_seen measurements (off first).
+    arms = []
+    for _ in range(2 * guard.min_seen):
+        arms.append(guard.decide(16, True, 1.1))
+        guard.observe(16, 23 if arms[-1] else 16, 0.076 if arms[-1] else 0.045)
+    assert sorted(arms) == [False] * guard.min_seen + [True] * guard.min_seen
+
+
+@pytest.mark.parametrize("drafting_pays", [False, True])
+def test_guard_follows_the_measured_arm_on_close_calls(drafting_pays):
+    """The cost model predicts a small gain at batch 16 (as the fitted line did at saturation on
+    the CPU pair), but a step that drafts measures 76 ms for 23 tokens against a plain step's
+    45 ms for 16 (3.3 against 2.8 ms per token): within a few steps the guard stops the drafts,
+    but for retests and probes. Where drafting measures faster (50 ms), it keeps them."""
+    c = costs(base=0.033, per_token=0.0011, draft_step=0.006)
+    mid = AcceptanceTracker(K, alpha=[0.6, 0.3, 0.1, 0.1])
+    ks, gain = _best_lengths([mid] * 16, [K] * 16, c, [0.0] * 16)
+    assert any(ks) and 1.0 < gain < 1.0 + DraftGuard.margin  # a close call
+    lengths = AdaptiveLengths(K, c)
+    drafted = []
+    for _ in range(160):
+        ks = lengths.choose([mid] * 16, [K] * 16, batch=16)
+        on = any(ks)
+        drafted.append(on)
+        seconds = (0.050 if drafting_pays else 0.076) if on else 0.045
+        lengths.observe_step(16, 23 if on else 16, seconds)
+    share = sum(drafted[40:]) / len(drafted[40:])
+    if drafting_pays:
+        assert share > 0.9 and lengths.guard.vetoed < 0.1 * len(drafted)
+    else:
+        assert share < 0.12, share
+        assert "vetoed by measurement" in lengths.summary()
 
 
 PROMPT = [5, 17, 99, 3, 42, 7]

@@ -43,6 +43,7 @@ a fixed K.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -169,7 +170,9 @@ class StepCosts:
     in size to tell; each of e and r is fitted only once its regressor has varied apart from
     those before it (at batch 1, s = m), and the draft phase falls back to c + d * m, then to a
     mean ratio d, when m has not varied enough to tell, or a fit would need a negative
-    coefficient."""
+    coefficient. A coefficient the recent steps no longer identify keeps its last identified
+    value: a load that holds the batch steady must not make its extra tokens (b) or a long
+    prompt's rows (r) look free."""
 
     forget: float = 0.05  # weight of each new observation in the running moments
     min_spread: float = 0.4  # std of n (of m, s, w) below which b (c and d, e, r) is not identified
@@ -197,8 +200,7 @@ class StepCosts:
         self._nn += f * (tokens * tokens - self._nn)
         self._nt += f * (tokens * seconds - self._nt)
         var = self._nn - self._n * self._n
-        self.per_token = 0.0
-        if var >= self.min_spread**2:
+        if var >= self.min_spread**2:  # else b keeps its last identified value (0 at first)
             self.per_token = max(0.0, (self._nt - self._n * self._t) / var)
         self.base = max(self._t - self.per_token * self._n, 0.0)
 
@@ -216,18 +218,31 @@ class StepCosts:
             self._xt[i] += f * (x[i] * seconds - self._xt[i])
             for j in range(4):
                 self._xx[i][j] += f * (x[i] * x[j] - self._xx[i][j])
-        # The richest fit the data identify: (c, d, e, r), (c, d, r), (c, d, e), (c, d).
+        # The richest fit the data identify: (c, d, e, r), (c, d, r), (c, d, e), (c, d). A
+        # coefficient left out keeps its last identified value (0 until it has one), and the
+        # others are fitted to what it leaves of the time: a regressor that stops varying (a
+        # steady load writes about the same rows every step) says nothing new about its
+        # coefficient, not that it is 0 (which would make a long prompt's rows look free).
+        held = {2: self.draft_each, 3: self.draft_row}
         for cols in ((0, 1, 2, 3), (0, 1, 3), (0, 1, 2), (0, 1)):
             if not self._identified(cols):
                 continue
-            fit = _least_squares(self._xx, self._xt, cols)
+            fixed = {j: v for j, v in held.items() if j not in cols}
+            fit = _least_squares(self._xx, self._residual(fixed), cols)
             if fit is not None and min(fit) >= -1e-12:  # a zero coefficient, up to rounding
                 coef = {col: max(0.0, x) for col, x in zip(cols, fit, strict=True)}
                 self.draft_base, self.draft_step = coef[0], coef[1]
-                self.draft_each, self.draft_row = coef.get(2, 0.0), coef.get(3, 0.0)
+                self.draft_each = coef.get(2, held[2])
+                self.draft_row = coef.get(3, held[3])
                 return
-        self.draft_base, self.draft_each, self.draft_row = 0.0, 0.0, 0.0
-        self.draft_step = self._xt[0] / self._xx[0][1]  # mean time / mean steps
+        self.draft_base = 0.0
+        xt = self._residual(held)
+        self.draft_step = max(xt[0], 0.0) / self._xx[0][1]  # mean time left / mean steps
+
+    def _residual(self, fixed: dict[int, float]) -> list[float]:
+        """The cross moments x * seconds of the draft phases less what the `fixed` coefficients
+        (regressor index: value) explain."""
+        return [self._xt[i] - sum(v * self._xx[i][j] for j, v in fixed.items()) for i in range(4)]
 
     def _identified(self, cols: tuple[int, ...]) -> bool:
         """Whether every regressor of `cols` after the constant varies apart from those before
@@ -298,7 +313,7 @@ def choose_lengths(
         return []
     if not costs.known:
         return list(budgets)
-    return _best_lengths(trackers, budgets, costs, entry or [0.0] * len(trackers))
+    return _best_lengths(trackers, budgets, costs, entry or [0.0] * len(trackers))[0]
 
 
 def entry_costs(
@@ -369,6 +384,92 @@ class Probes:
         self.allowance = min(self.allowance, 0.0) - seconds
 
 
+def batch_bucket(batch: int) -> int:
+    """The guard's batch-size classes: each size up to 16, then 8 per doubling (about 9% wide),
+    so a class's steps cost about the same per token."""
+    if batch <= 16:
+        return batch
+    return 16 + round(8 * math.log2(batch / 16))
+
+
+@dataclass
+class _Arms:
+    """One batch-size class's measurements: per arm (0: no drafts, 1: the rule's drafts), the
+    exponential averages of a step's seconds and emitted tokens, their count, and the guard's
+    decisions since the arm was last measured."""
+
+    seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    seen: list[int] = field(default_factory=lambda: [0, 0])
+    since: list[int] = field(default_factory=lambda: [0, 0])
+
+    def per_token(self, arm: int) -> float:
+        return self.seconds[arm] / max(self.tokens[arm], 1e-12)
+
+
+@dataclass
+class DraftGuard:
+    """A measured check on the cost model's close calls. Where the rule predicts that its
+    drafts gain less than `margin` over plain decoding, a small error in the step-cost model
+    (a line fitted over a wide range of step sizes, noisy timings) decides, and at saturation
+    it decided wrongly (0.90x plain on a compute-bound CPU). There, for the batch-size class of
+    the step (`batch_bucket`), the seconds per emitted token of steps that drafted (the rule's
+    choice) and of steps that did not are measured (each step's verify plus the draft phase
+    before it, over the tokens the verify emitted), and the cheaper arm is followed: drafting
+    is vetoed where it measured slower. Until each arm has `min_seen` steps the two alternate;
+    afterwards the other arm is re-measured once every `retest` close calls, so a change of
+    traffic is followed. A predicted gain of `margin` or more is trusted without a check (the
+    re-measurements would cost a share of a large gain). The guard only removes drafts, so
+    outputs stay those of static speculation."""
+
+    margin: float = 0.25
+    min_seen: int = 3
+    retest: int = 16
+    weight: float = 0.25  # of a new measurement in an arm's averages, in the long run
+    arms: dict[int, _Arms] = field(default_factory=dict)
+    pending: tuple[int, int] | None = None  # (class, arm) of the last decision, not yet measured
+    vetoed: int = 0  # close calls decided against drafting (reported)
+
+    def decide(self, batch: int, drafting: bool, gain: float) -> bool:
+        """Whether the step drafts as the rule chose (`drafting`, predicted `gain` = goodput over
+        plain decoding's). Every decision waits for `observe` of the step that verifies it."""
+        key = batch_bucket(batch)
+        arm = int(drafting)
+        if drafting and gain < 1.0 + self.margin:
+            a = self.arms.setdefault(key, _Arms())
+            a.since[0] += 1
+            a.since[1] += 1
+            if min(a.seen) < self.min_seen:
+                arm = int(a.seen[1] <= a.seen[0])  # alternate until both are measured
+            else:
+                better = int(a.per_token(1) <= a.per_token(0))
+                arm = 1 - better if a.since[1 - better] > self.retest else better
+            self.vetoed += 1 - arm
+        self.pending = (key, arm)
+        return bool(arm)
+
+    def observe(self, batch: int, tokens: int, seconds: float) -> None:
+        """The step that verified the last decision: `tokens` emitted over the whole batch in
+        `seconds` (its verify and the draft phase before it). Steps whose batch changed class
+        (requests joined or left) are not counted."""
+        if self.pending is None:
+            return
+        key, arm = self.pending
+        self.pending = None
+        if batch_bucket(batch) != key or tokens <= 0:
+            return
+        a = self.arms.setdefault(key, _Arms())
+        w = max(self.weight, 1.0 / (a.seen[arm] + 1))
+        a.seconds[arm] += w * (seconds - a.seconds[arm])
+        a.tokens[arm] += w * (tokens - a.tokens[arm])
+        a.seen[arm] += 1
+        a.since[arm] = 0
+
+    def skip(self) -> None:
+        """The last decision will not be measured (a probe, or the step is not like others)."""
+        self.pending = None
+
+
 @dataclass
 class AdaptiveLengths:
     """What adaptive speculation keeps for one engine (standalone or in vLLM): its cost model,
@@ -378,6 +479,7 @@ class AdaptiveLengths:
     k_max: int
     costs: StepCosts = field(default_factory=StepCosts)
     probes: Probes = field(default_factory=Probes)
+    guard: DraftGuard = field(default_factory=DraftGuard)
     prior: AcceptancePrior | None = None
     chosen: list[int] = field(default_factory=list)
 
@@ -395,19 +497,36 @@ class AdaptiveLengths:
         budgets: list[int],
         catch_up: list[int] | None = None,
         remaining: list[int] | None = None,
+        batch: int | None = None,
     ) -> list[int]:
-        """Drafts per request this step: the goodput rule, or a probe while it drafts nothing.
-        `catch_up`: history rows each request must write before it drafts beyond a step's own
-        (0 when it drafted the step before); `remaining`: tokens each may still generate."""
-        entry = None
-        if catch_up is not None and remaining is not None and self.costs.known:
-            entry = entry_costs(trackers, budgets, self.costs, catch_up, remaining)
-        ks = choose_lengths(trackers, budgets, self.costs, entry)
+        """Drafts per request this step: the goodput rule, checked by the guard where it is a
+        close call, or a probe while it drafts nothing. `catch_up`: history rows each request
+        must write before it drafts beyond a step's own (0 when it drafted the step before);
+        `remaining`: tokens each may still generate; `batch`: the step's requests (default: one
+        per tracker), the guard's batch-size class."""
+        if not trackers:
+            return []
+        if not self.costs.known:
+            ks, gain = list(budgets), float("inf")  # static K until the costs are measured
+        else:
+            entry = [0.0] * len(trackers)
+            if catch_up is not None and remaining is not None:
+                entry = entry_costs(trackers, budgets, self.costs, catch_up, remaining)
+            ks, gain = _best_lengths(trackers, budgets, self.costs, entry)
+        if not self.guard.decide(batch or len(budgets), any(ks), gain):
+            ks = [0] * len(ks)
         step = self.costs.step_time(len(budgets), 0) if self.costs.known else 0.0
         ks = self.probes.apply(ks, budgets, catch_up, step)
+        if self.probes.probing:
+            self.guard.skip()
         for k in ks:
             self.chosen[k] += 1
         return ks
+
+    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
+        """The step that verified the last `choose`: `tokens` emitted by its `batch` requests,
+        `seconds` for its verify and the draft phase before it (for the guard)."""
+        self.guard.observe(batch, tokens, seconds)
 
     def summary(self) -> str:
         total = max(sum(self.chosen), 1)
@@ -418,22 +537,24 @@ class AdaptiveLengths:
             f"drafts per request-step {shares} (0..{self.k_max}), mean {mean:.2f}; drafting "
             f"{1e3 * c.draft_base:.2f} ms + {1e3 * c.draft_step:.2f} ms per step + "
             f"{1e3 * c.draft_each:.3f} ms per draft, target step "
-            f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token"
+            f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token; close calls "
+            f"vetoed by measurement {self.guard.vetoed}"
         )
 
 
 def _best_lengths(
     trackers: list[AcceptanceTracker], budgets: list[int], costs: StepCosts, entry: list[float]
-) -> list[int]:
-    """One pass per number of draft steps m = 1, 2, ..., K: every request takes its leading
-    drafts (up to m) whose expected tokens beat their verify cost at the best goodput so far
-    (the first also its entry cost; a lower bound of the optimum's goodput, so the rule errs
-    towards drafting); the best m wins (a fixed draft-phase cost can make m = 1 lose and m = 3
-    win, so every m is tried, until no request takes draft m). A drafting request writes the
-    history rows of the tokens it gets (about its expected tokens: `draft_row` each). Per-depth
-    totals make each m O(K); O(batch * K) each time the best goodput rises."""
+) -> tuple[list[int], float]:
+    """The drafts per request and their predicted goodput over plain decoding's (1.0 when
+    nothing is drafted). One pass per number of draft steps m = 1, 2, ..., K: every request
+    takes its leading drafts (up to m) whose expected tokens beat their verify cost at the best
+    goodput so far (the first also its entry cost; a lower bound of the optimum's goodput, so
+    the rule errs towards drafting); the best m wins (a fixed draft-phase cost can make m = 1
+    lose and m = 3 win, so every m is tried, until no request takes draft m). A drafting request
+    writes the history rows of the tokens it gets (about its expected tokens: `draft_row` each).
+    Per-depth totals make each m O(K); O(batch * K) each time the best goodput rises."""
     n_req = len(trackers)
-    best_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
+    best_rate = plain_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
     per_draft = costs.per_token + costs.draft_each
     # The threshold only rises with the best rate, and no draft gains more than the first's
     # acceptance: a request whose bound is below the first threshold never drafts.
@@ -445,7 +566,7 @@ def _best_lengths(
     ]
     ks = [0] * n_req
     if not candidates:
-        return ks
+        return ks, 1.0
     depth = max(len(g) for _, g in candidates)
     best_m, best_lengths = 0, []
     threshold = -1.0
@@ -474,7 +595,7 @@ def _best_lengths(
     if best_m:
         for (i, _), n in zip(candidates, best_lengths, strict=True):
             ks[i] = min(n, best_m)
-    return ks
+    return ks, best_rate / plain_rate
 
 
 def _take_while(gains: list[float], threshold: float, first: float = 0.0) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moa.decoding.adaptive import AdaptiveLengths, StepCosts, adaptive_enabled
+from vllm_moa.decoding.adaptive import AdaptiveLengths, DraftGuard, StepCosts, adaptive_enabled
 from vllm_moa.decoding.proposer import Proposer, TreeProposer, choose_token
 from vllm_moa.decoding.sampling import (
     SamplingParams,
@@ -79,8 +79,10 @@ class SpeculativeEngine:
         self.proposer = proposer
         # Injectable so tests can prove the distribution test catches a broken verifier.
         self.rejection_verifier = rejection_verifier
-        # Adaptive speculation's measurements, kept across requests (injectable for tests).
+        # Adaptive speculation's measurements, kept across requests (injectable for tests: an
+        # injected cost model decides alone, without the guard's measured check of close calls).
         self.step_costs = step_costs or StepCosts()
+        self._guard_margin = DraftGuard.margin if step_costs is None else 0.0
         self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
         # Adaptive speculation leaves seeded sampled requests undrafted (see generate()).
         self.repeatable_seeds = True
@@ -130,7 +132,10 @@ class SpeculativeEngine:
         seeded_sampling = seed is not None and not params.greedy
         no_drafts = adaptive and seeded_sampling and self.repeatable_seeds
         costs = self.step_costs
-        lengths = self.adaptive_lengths.setdefault(k_max, AdaptiveLengths(k_max, costs))
+        lengths = self.adaptive_lengths.get(k_max)
+        if lengths is None:
+            guard = DraftGuard(margin=self._guard_margin)
+            lengths = self.adaptive_lengths[k_max] = AdaptiveLengths(k_max, costs, guard=guard)
         probes, tracker = lengths.probes, lengths.tracker()
         t0 = time.perf_counter()
 
@@ -148,11 +153,13 @@ class SpeculativeEngine:
             k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
             if no_drafts:
                 k = 0
-            elif adaptive and k >= 1:
+            chose = adaptive and k >= 1
+            if chose:
                 catch_up = len(behind.tokens) if behind is not None else 0
                 remaining = max_new_tokens - len(generated)
                 k = lengths.choose([tracker], [k], [catch_up], [remaining])[0]
             drafted_before = stats.num_draft_tokens
+            cycle_began = time.perf_counter()
             if k >= 1 and behind is not None:
                 began = time.perf_counter()
                 backlog = len(behind.tokens)
@@ -171,6 +178,8 @@ class SpeculativeEngine:
                 new = [self._plain_step(last, params, gen, stats, costs, behind)]
             if adaptive:  # what was drafted: a proposer may draft fewer than asked (n-gram)
                 tracker.observe(stats.num_draft_tokens - drafted_before, len(new) - 1)
+            if chose:  # the guard's measurement of the cycle it decided
+                lengths.observe_step(1, len(new), time.perf_counter() - cycle_began)
             for token in new:
                 generated.append(token)
                 finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)

@@ -76,6 +76,9 @@ CPU_GEMM_ENV = "VLLM_MOA_CPU_GEMM"
 
 # Debugging and tests: append one JSON line {"tokens": [...], "drafts": [...]} per drafted request.
 TRACE_ENV = "VLLM_MOA_TRACE"
+# Diagnosing adaptive speculation: append one JSON line per engine step (its size, time, the
+# drafts chosen, the cost model; docs/vllm_performance.md).
+STEP_TRACE_ENV = "VLLM_MOA_STEP_TRACE"
 
 
 @dataclass
@@ -121,6 +124,7 @@ class MoAVllmProposer:
         self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
         self.lengths = AdaptiveLengths(self.num_speculative_tokens, StepCosts())
         self._chosen_logged = time.monotonic()
+        self._last_phase: float | None = None  # see _propose_in_runner
         # The hot functions, compiled where vLLM compiles the target (compiled.py).
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
         self._page_rows: Callable[..., tuple[torch.Tensor, ...]] = page_rows
@@ -231,6 +235,37 @@ class MoAVllmProposer:
     def propose_in_runner(
         self, runner: Any, scheduler_output: Any, sampled_token_ids: list[list[int]]
     ) -> list[list[int]]:
+        """Drafts for the requests of the step just run (one list per request of the input
+        batch, empty where nothing is drafted); `VLLM_MOA_STEP_TRACE=FILE` logs each step."""
+        path = os.environ.get(STEP_TRACE_ENV)
+        if not path:
+            return self._propose_in_runner(runner, scheduler_output, sampled_token_ids)
+        began = time.perf_counter()
+        out = self._propose_in_runner(runner, scheduler_output, sampled_token_ids)
+        costs = self.lengths.costs
+        record = {
+            "time": began,
+            "step_s": began - getattr(runner, "_vllm_moa_step_start", began),
+            "draft_s": time.perf_counter() - began,
+            "tokens": int(scheduler_output.total_num_scheduled_tokens),
+            "requests": len(scheduler_output.num_scheduled_tokens),
+            "verified_drafts": sum(
+                len(v) for v in scheduler_output.scheduled_spec_decode_tokens.values()
+            ),
+            "emitted": sum(len(t) for t in sampled_token_ids),
+            "drafts": sum(len(d) for d in out),
+            "model_ms": [1e3 * costs.base, 1e3 * costs.per_token, 1e3 * costs.draft_step],
+            "vetoed": self.lengths.guard.vetoed,
+        }
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        return out
+
+    def _propose_in_runner(
+        self, runner: Any, scheduler_output: Any, sampled_token_ids: list[list[int]]
+    ) -> list[list[int]]:
+        # The draft phase before this step's verify (seconds), if the step before chose lengths.
+        self._last_phase, last_phase = None, self._last_phase
         batch = runner.input_batch
         req_ids: list[str] = list(batch.req_ids)
         for gone in set(self.states) - set(runner.requests):
@@ -272,8 +307,17 @@ class MoAVllmProposer:
             return drafts
         if self.adaptive:
             ks = self._choose(
-                runner, scheduler_output, req_ids, rows, states, budgets, lengths, sampled_token_ids
+                runner,
+                scheduler_output,
+                req_ids,
+                rows,
+                states,
+                budgets,
+                lengths,
+                sampled_token_ids,
+                last_phase,
             )
+            self._last_phase = 0.0
             keep = [i for i, k in enumerate(ks) if k > 0]
             rows, states = [rows[i] for i in keep], [states[i] for i in keep]
             budgets, lengths = [ks[i] for i in keep], [lengths[i] for i in keep]
@@ -289,6 +333,8 @@ class MoAVllmProposer:
         self._write_pages(runner, states, pending)
         chains = self._draft(runner, rows, states, pending, budgets)
         done = time.perf_counter()
+        if self.adaptive:
+            self._last_phase = done - began
         # The draft phase: rows written for the tokens just verified (and for those a request
         # skipped while it did not draft), then the draft steps.
         written = sum(len(p) - 1 for p in pending)
@@ -335,19 +381,24 @@ class MoAVllmProposer:
         budgets: list[int],
         lengths: list[int],
         sampled_token_ids: list[list[int]],
+        last_phase: float | None,
     ) -> list[int]:
         """Record the step just verified (the target's time for its tokens, from the runner's
-        execute_model to here; each request's accepted drafts), then choose how many tokens
-        each request drafts now."""
+        execute_model to here; each request's accepted drafts; for the guard, its tokens over
+        its time and that of the draft phase before it, `last_phase`), then choose how many
+        tokens each request drafts now."""
         started = getattr(runner, "_vllm_moa_step_start", None)
         verified = scheduler_output.scheduled_spec_decode_tokens
         tokens = int(scheduler_output.total_num_scheduled_tokens)
-        decode_only = tokens == len(scheduler_output.num_scheduled_tokens) + sum(
-            len(v) for v in verified.values()
-        )
+        in_step = len(scheduler_output.num_scheduled_tokens)
+        decode_only = tokens == in_step + sum(len(v) for v in verified.values())
         if started is not None and tokens > 0 and decode_only:
             # Decode steps only: a prompt chunk's per-token cost is not a draft's.
-            self.lengths.costs.observe_verify(tokens, time.perf_counter() - started)
+            seconds = time.perf_counter() - started
+            self.lengths.costs.observe_verify(tokens, seconds)
+            if last_phase is not None:
+                emitted = sum(len(t) for t in sampled_token_ids)
+                self.lengths.observe_step(in_step, emitted, seconds + last_phase)
         trackers: list[AcceptanceTracker] = []
         catch_up: list[int] = []  # history rows to write before drafting
         remaining: list[int] = []  # tokens each request may still generate
@@ -365,7 +416,7 @@ class MoAVllmProposer:
             limit = params.max_tokens if params is not None else None
             left = self.max_model_len - n
             remaining.append(min(left, limit - len(request.output_token_ids)) if limit else left)
-        ks = self.lengths.choose(trackers, budgets, catch_up, remaining)
+        ks = self.lengths.choose(trackers, budgets, catch_up, remaining, len(req_ids))
         if self.tp > 1:  # the lengths follow each rank's own timings: rank 0's decide
             ks = same_on_every_rank(ks)
         if time.monotonic() - self._chosen_logged > 30.0:
