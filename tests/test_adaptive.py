@@ -271,6 +271,10 @@ def test_guard_classes_and_what_it_leaves_unchecked():
         arms.append(guard.decide(16, True, 1.1))
         guard.observe(16, 23 if arms[-1] else 16, 0.076 if arms[-1] else 0.045)
     assert sorted(arms) == [False] * guard.min_seen + [True] * guard.min_seen
+    # Measured (drafting slower here), even a large predicted gain is vetoed: the cost model
+    # can be far off; a class without measurements still trusts it.
+    assert not guard.decide(16, True, 2.0)
+    assert guard.decide(15, True, 2.0)
 
 
 @pytest.mark.parametrize("drafting_pays", [False, True])

@@ -418,9 +418,12 @@ class DraftGuard:
     before it, over the tokens the verify emitted), and the cheaper arm is followed: drafting
     is vetoed where it measured slower. Until each arm has `min_seen` steps the two alternate;
     afterwards the other arm is re-measured once every `retest` close calls, so a change of
-    traffic is followed. A predicted gain of `margin` or more is trusted without a check (the
-    re-measurements would cost a share of a large gain). The guard only removes drafts, so
-    outputs stay those of static speculation."""
+    traffic is followed. A predicted gain of `margin` or more is not explored (re-measuring
+    plain steps would cost a share of a large gain), but where both arms are measured and
+    drafting measured slower it is vetoed too (the cost model can be far off: a per-token
+    verify cost learnt as 0 at low load made 16 drafts look free at saturation), with the
+    same re-measurements of drafting. The guard only removes drafts, so outputs stay those of
+    static speculation."""
 
     margin: float = 0.25
     min_seen: int = 3
@@ -435,15 +438,19 @@ class DraftGuard:
         plain decoding's). Every decision waits for `observe` of the step that verifies it."""
         key = batch_bucket(batch)
         arm = int(drafting)
-        if drafting and gain < 1.0 + self.margin:
+        close = gain < 1.0 + self.margin
+        a = self.arms.get(key)
+        measured = a is not None and min(a.seen) >= self.min_seen
+        if drafting and (close or measured):
             a = self.arms.setdefault(key, _Arms())
             a.since[0] += 1
             a.since[1] += 1
-            if min(a.seen) < self.min_seen:
+            if not measured:
                 arm = int(a.seen[1] <= a.seen[0])  # alternate until both are measured
-            else:
-                better = int(a.per_token(1) <= a.per_token(0))
-                arm = 1 - better if a.since[1 - better] > self.retest else better
+            elif a.per_token(1) <= a.per_token(0):  # drafting measured faster: draft, but for
+                arm = int(not (close and a.since[0] > self.retest))  # a re-measured close call
+            else:  # drafting measured slower: not, but for a re-measurement now and then
+                arm = int(a.since[1] > self.retest)
             self.vetoed += 1 - arm
         self.pending = (key, arm)
         return bool(arm)
