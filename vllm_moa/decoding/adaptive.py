@@ -33,9 +33,12 @@ over k_r <= budget_r: for every candidate number of draft steps m in 0..K, each 
 the drafts whose expected extra tokens beat their verify cost at the current goodput, up to m;
 the best m wins. Plain decoding (m = 0) is one of the candidates, so a drafter that never
 matches, or a load where extra verify tokens cost more than they return, ends at K = 0; then
-`Probes` has one request draft one token now and then, so that a change is noticed. The
-choice only decides how many tokens are drafted; verification is unchanged, so outputs are
-exactly those of static speculation (and of plain decoding, greedy).
+`Probes` has one request draft one token now and then, so that a change is noticed. Where the
+predicted gain is small (or the batch size has measured against drafting), `DraftGuard`
+decides by measurement instead: the seconds per emitted token of steps with and without the
+rule's drafts at that batch size. The choice only decides how many tokens are drafted;
+verification is unchanged, so outputs are exactly those of static speculation (and of plain
+decoding, greedy).
 
 `VLLM_MOA_ADAPTIVE=0` turns the rule off everywhere (fixed K), e.g. to compare drafting costs at
 a fixed K.
@@ -431,7 +434,7 @@ class DraftGuard:
     weight: float = 0.25  # of a new measurement in an arm's averages, in the long run
     arms: dict[int, _Arms] = field(default_factory=dict)
     pending: tuple[int, int] | None = None  # (class, arm) of the last decision, not yet measured
-    vetoed: int = 0  # close calls decided against drafting (reported)
+    vetoed: int = 0  # decisions against the rule's drafts (reported)
 
     def decide(self, batch: int, drafting: bool, gain: float) -> bool:
         """Whether the step drafts as the rule chose (`drafting`, predicted `gain` = goodput over
@@ -544,8 +547,8 @@ class AdaptiveLengths:
             f"drafts per request-step {shares} (0..{self.k_max}), mean {mean:.2f}; drafting "
             f"{1e3 * c.draft_base:.2f} ms + {1e3 * c.draft_step:.2f} ms per step + "
             f"{1e3 * c.draft_each:.3f} ms per draft, target step "
-            f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token; close calls "
-            f"vetoed by measurement {self.guard.vetoed}"
+            f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token; steps whose "
+            f"drafts were vetoed by measurement {self.guard.vetoed}"
         )
 
 
