@@ -275,6 +275,8 @@ def test_guard_classes_and_what_it_leaves_unchecked():
     # can be far off; a class without measurements still trusts it.
     assert not guard.decide(16, True, 2.0)
     assert guard.decide(15, True, 2.0)
+    off = DraftGuard(enabled=False)  # the rule alone
+    assert off.decide(16, True, 1.01) and not off.decide(16, False, 1.0) and off.pending is None
 
 
 @pytest.mark.parametrize("drafting_pays", [False, True])

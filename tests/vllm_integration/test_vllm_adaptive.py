@@ -34,6 +34,16 @@ def cheap_drafts():
     return CheapDrafts()
 
 
+def injected_costs(monkeypatch) -> None:
+    """The proposer's costs replaced by `cheap_drafts`; the guard off, so that the injected
+    model decides alone (the guard would measure this CPU's real times)."""
+    from vllm_moa.decoding.adaptive import DraftGuard
+    from vllm_moa.vllm_plugin import proposer
+
+    monkeypatch.setattr(proposer, "StepCosts", cheap_drafts)
+    monkeypatch.setattr(proposer, "DraftGuard", lambda: DraftGuard(enabled=False))
+
+
 @pytest.fixture(scope="module")
 def plain(moa_pair):
     llm = make_llm(moa_pair["target"])
@@ -82,9 +92,8 @@ def test_drafts_that_land_are_kept_when_drafting_is_cheap(moa_pair, plain, monke
     """The trained test drafter (it lands few drafts on these prompts: 3% at K=4, mostly in
     repetitive stretches), with the measured costs replaced by a draft step 20x cheaper than
     the target step: adaptive drafting keeps most of the accepted tokens for far fewer drafts."""
-    from vllm_moa.vllm_plugin import proposer
 
-    monkeypatch.setattr(proposer, "StepCosts", cheap_drafts)
+    injected_costs(monkeypatch)
     monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
     adaptive, adaptive_accepted = drafting(moa_pair, moa_pair["tli0"], plain)
     # The fixed K through the --speculative-config key this time.
@@ -116,13 +125,11 @@ def test_seeded_sampled_requests_get_no_drafts_and_repeat_plain_text(moa_pair, m
     greedy requests in the same batch still draft (costs made cheap so that they do)."""
     from vllm import SamplingParams
 
-    from vllm_moa.vllm_plugin import proposer
-
     seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=24) for s in (1, 2, 3)]
     llm = make_llm(moa_pair["target"])
     plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], seeded)]
     del llm
-    monkeypatch.setattr(proposer, "StepCosts", cheap_drafts)
+    injected_costs(monkeypatch)
     monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
     llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=K)
     for _ in range(2):

@@ -428,6 +428,7 @@ class DraftGuard:
     same re-measurements of drafting. The guard only removes drafts, so outputs stay those of
     static speculation."""
 
+    enabled: bool = True  # off: the rule decides alone (an injected cost model, in tests)
     margin: float = 0.25
     min_seen: int = 3
     retest: int = 16
@@ -439,6 +440,8 @@ class DraftGuard:
     def decide(self, batch: int, drafting: bool, gain: float) -> bool:
         """Whether the step drafts as the rule chose (`drafting`, predicted `gain` = goodput over
         plain decoding's). Every decision waits for `observe` of the step that verifies it."""
+        if not self.enabled:
+            return drafting
         key = batch_bucket(batch)
         arm = int(drafting)
         close = gain < 1.0 + self.margin

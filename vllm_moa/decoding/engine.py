@@ -82,7 +82,7 @@ class SpeculativeEngine:
         # Adaptive speculation's measurements, kept across requests (injectable for tests: an
         # injected cost model decides alone, without the guard's measured check of close calls).
         self.step_costs = step_costs or StepCosts()
-        self._guard_margin = DraftGuard.margin if step_costs is None else 0.0
+        self._guard = step_costs is None
         self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
         # Adaptive speculation leaves seeded sampled requests undrafted (see generate()).
         self.repeatable_seeds = True
@@ -134,7 +134,7 @@ class SpeculativeEngine:
         costs = self.step_costs
         lengths = self.adaptive_lengths.get(k_max)
         if lengths is None:
-            guard = DraftGuard(margin=self._guard_margin)
+            guard = DraftGuard(enabled=self._guard)
             lengths = self.adaptive_lengths[k_max] = AdaptiveLengths(k_max, costs, guard=guard)
         probes, tracker = lengths.probes, lengths.tracker()
         t0 = time.perf_counter()

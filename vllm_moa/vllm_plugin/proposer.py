@@ -49,6 +49,7 @@ from vllm_moa.checkpoint.io import load_drafter
 from vllm_moa.decoding.adaptive import (
     AcceptanceTracker,
     AdaptiveLengths,
+    DraftGuard,
     StepCosts,
     adaptive_enabled,
 )
@@ -122,7 +123,7 @@ class MoAVllmProposer:
         self._bound = False  # the KV caches are bound (after vLLM's profiling run)
         # Adaptive speculation (decoding/adaptive.py): acceptance prior, costs, chosen lengths.
         self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
-        self.lengths = AdaptiveLengths(self.num_speculative_tokens, StepCosts())
+        self.lengths = AdaptiveLengths(self.num_speculative_tokens, StepCosts(), guard=DraftGuard())
         self._chosen_logged = time.monotonic()
         self._last_phase: float | None = None  # see _propose_in_runner
         # The hot functions, compiled where vLLM compiles the target (compiled.py).
