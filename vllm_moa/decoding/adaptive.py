@@ -312,11 +312,22 @@ def choose_lengths(
     docstring. `entry`: seconds a request pays once if it drafts now (its history rows to
     catch up, spread over the steps it has left). Before the costs are known, every request
     drafts its budget (static K)."""
+    return lengths_and_gain(trackers, budgets, costs, entry)[0]
+
+
+def lengths_and_gain(
+    trackers: list[AcceptanceTracker],
+    budgets: list[int],
+    costs: StepCosts,
+    entry: list[float] | None = None,
+) -> tuple[list[int], float]:
+    """`choose_lengths`'s drafts and their predicted goodput over plain decoding's (infinite
+    while the costs are unknown and every request drafts its budget)."""
     if not trackers:
-        return []
+        return [], 1.0
     if not costs.known:
-        return list(budgets)
-    return _best_lengths(trackers, budgets, costs, entry or [0.0] * len(trackers))[0]
+        return list(budgets), float("inf")
+    return _best_lengths(trackers, budgets, costs, entry or [0.0] * len(trackers))
 
 
 def entry_costs(
@@ -519,13 +530,10 @@ class AdaptiveLengths:
         per tracker), the guard's batch-size class."""
         if not trackers:
             return []
-        if not self.costs.known:
-            ks, gain = list(budgets), float("inf")  # static K until the costs are measured
-        else:
-            entry = [0.0] * len(trackers)
-            if catch_up is not None and remaining is not None:
-                entry = entry_costs(trackers, budgets, self.costs, catch_up, remaining)
-            ks, gain = _best_lengths(trackers, budgets, self.costs, entry)
+        entry = None
+        if catch_up is not None and remaining is not None and self.costs.known:
+            entry = entry_costs(trackers, budgets, self.costs, catch_up, remaining)
+        ks, gain = lengths_and_gain(trackers, budgets, self.costs, entry)
         if not self.guard.decide(batch or len(budgets), any(ks), gain):
             ks = [0] * len(ks)
         step = self.costs.step_time(len(budgets), 0) if self.costs.known else 0.0

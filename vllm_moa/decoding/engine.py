@@ -82,7 +82,7 @@ class SpeculativeEngine:
         # Adaptive speculation's measurements, kept across requests (injectable for tests: an
         # injected cost model decides alone, without the guard's measured check of close calls).
         self.step_costs = step_costs or StepCosts()
-        self._guard = step_costs is None
+        self._guard_enabled = step_costs is None
         self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
         # Adaptive speculation leaves seeded sampled requests undrafted (see generate()).
         self.repeatable_seeds = True
@@ -134,7 +134,7 @@ class SpeculativeEngine:
         costs = self.step_costs
         lengths = self.adaptive_lengths.get(k_max)
         if lengths is None:
-            guard = DraftGuard(enabled=self._guard)
+            guard = DraftGuard(enabled=self._guard_enabled)
             lengths = self.adaptive_lengths[k_max] = AdaptiveLengths(k_max, costs, guard=guard)
         probes, tracker = lengths.probes, lengths.tracker()
         t0 = time.perf_counter()
@@ -161,7 +161,7 @@ class SpeculativeEngine:
             drafted_before = stats.num_draft_tokens
             cycle_began = time.perf_counter()
             if k >= 1 and behind is not None:
-                began = time.perf_counter()
+                began = cycle_began
                 backlog = len(behind.tokens)
                 behind.flush()
                 caught_up = time.perf_counter() - began
