@@ -117,6 +117,24 @@ def test_a_cost_the_steps_stop_identifying_keeps_its_last_value():
     assert c.step_time(0, 2, 16, rows=2000) - c.base == pytest.approx(0.5 + 0.2 + 0.32 + 2.0)
 
 
+def test_prefill_steps_bound_the_verify_cost_beyond_the_decode_steps_seen():
+    """Decode steps of 1-6 tokens that barely move the time (b fitted about 0) say nothing of a
+    32-token step; a 2,000-token prompt step at 1.8 ms per token over the base does: beyond
+    the largest decode step seen, each token costs at least that."""
+    c = StepCosts()
+    for n in (1, 2, 4, 6, 3, 5) * 4:
+        c.observe_verify(n, 0.026 + 0.0001 * n)
+    assert c.per_token < 0.0002 and c.largest == pytest.approx(6, rel=0.05)
+    assert c.verify_time(32) == pytest.approx(0.026 + 0.0001 * 32, rel=1e-3)  # no prefill yet
+    c.observe_prefill(4, 1.0)  # not beyond the decode steps seen: ignored
+    c.observe_prefill(2000, 0.026 + 2000 * 0.0018)
+    assert c.prefill_per_token == pytest.approx(0.0018, rel=1e-2)
+    assert c.verify_time(4) == pytest.approx(0.026 + 0.0001 * 4, rel=1e-3)
+    expected = c.base + c.per_token * c.largest + 0.0018 * (32 - c.largest)
+    assert c.verify_time(32) == pytest.approx(expected, rel=1e-2)
+    assert c.step_time(32, 0) == c.verify_time(32)
+
+
 def test_a_long_catch_up_is_paid_only_where_the_steps_left_repay_it():
     """Two requests that would draft: the one with 500 history rows to write first (e.g. its
     prompt, 1 ms each) starts drafting only when it has enough tokens left to repay them."""
@@ -275,6 +293,15 @@ def test_guard_classes_and_what_it_leaves_unchecked():
     # can be far off; a class without measurements still trusts it.
     assert not guard.decide(16, True, 2.0)
     assert guard.decide(15, True, 2.0)
+    # A large predicted gain whose drafting measures slower (a fresh server's first burst:
+    # every step verifies K drafts per request, so the cost model never sees a plain step's
+    # time): after min_seen drafting steps, min_seen plain ones, then the drafts are vetoed.
+    cold = DraftGuard()
+    arms = []
+    for _ in range(3 * cold.min_seen):
+        arms.append(cold.decide(16, True, 3.0))
+        cold.observe(16, 23 if arms[-1] else 16, 0.146 if arms[-1] else 0.045)
+    assert arms == [True] * cold.min_seen + [False] * (2 * cold.min_seen)
     off = DraftGuard(enabled=False)  # the rule alone
     assert off.decide(16, True, 1.01) and not off.decide(16, False, 1.0) and off.pending is None
 

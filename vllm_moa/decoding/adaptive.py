@@ -194,6 +194,10 @@ class StepCosts:
     draft_each: float = 0.0  # e
     draft_row: float = 0.0  # r
     _draft_seen: bool = False
+    # Beyond the decode steps seen: the largest (slowly forgotten) and, from prefill / mixed
+    # steps, the time per token of a large step over the verify base (a bound on b there).
+    largest: float = 0.0
+    prefill_per_token: float = 0.0
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         f = self.forget if self._w else 1.0
@@ -206,6 +210,26 @@ class StepCosts:
         if var >= self.min_spread**2:  # else b keeps its last identified value (0 at first)
             self.per_token = max(0.0, (self._nt - self._n * self._t) / var)
         self.base = max(self._t - self.per_token * self._n, 0.0)
+        self.largest = max(float(tokens), self.largest * (1.0 - 0.1 * self.forget))
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step with prompt tokens (`tokens` in all): its time per token over the verify base
+        bounds what a verify token costs beyond the decode steps seen (a fit over small decode
+        steps can learn b as about 0 on a target that is compute-bound at a saturated batch's
+        size)."""
+        if tokens <= self.largest or not self._w:
+            return
+        est = max(seconds - self.base, 0.0) / tokens
+        w = 0.3 if self.prefill_per_token else 1.0
+        self.prefill_per_token += w * (est - self.prefill_per_token)
+
+    def verify_time(self, tokens: int) -> float:
+        """The verify step's time for `tokens`: the fitted line up to the largest decode step
+        seen, then at least the prefill steps' cost per token."""
+        if tokens <= self.largest or not self.prefill_per_token:
+            return self.base + self.per_token * tokens
+        beyond = max(self.per_token, self.prefill_per_token) * (tokens - self.largest)
+        return self.base + self.per_token * self.largest + beyond
 
     def observe_draft(
         self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
@@ -272,10 +296,10 @@ class StepCosts:
         """A step verifying `tokens` after `draft_steps` draft steps of `drafts` drafts in all
         (default: one request's, = draft_steps) that wrote `rows` history rows."""
         if not draft_steps:
-            return self.base + self.per_token * tokens
+            return self.verify_time(tokens)
         each = self.draft_each * (draft_steps if drafts is None else drafts)
         draft = self.draft_base + self.draft_step * draft_steps + each + self.draft_row * rows
-        return self.base + self.per_token * tokens + draft
+        return self.verify_time(tokens) + draft
 
 
 def _least_squares(
@@ -432,12 +456,15 @@ class DraftGuard:
     before it, over the tokens the verify emitted), and the cheaper arm is followed: drafting
     is vetoed where it measured slower. Until each arm has `min_seen` steps the two alternate;
     afterwards the other arm is re-measured once every `retest` close calls, so a change of
-    traffic is followed. A predicted gain of `margin` or more is not explored (re-measuring
-    plain steps would cost a share of a large gain), but where both arms are measured and
-    drafting measured slower it is vetoed too (the cost model can be far off: a per-token
-    verify cost learnt as 0 at low load made 16 drafts look free at saturation), with the
-    same re-measurements of drafting. The guard only removes drafts, so outputs stay those of
-    static speculation."""
+    traffic is followed. A predicted gain of `margin` or more is followed until its drafting
+    arm has `min_seen` measurements; then the plain arm is measured as many times (a few
+    plain steps cost a share of a real large gain, never more than plain decoding), and
+    where drafting measured slower it is vetoed too, with the same re-measurements of
+    drafting: the cost model can be far off (a fresh server's first burst verifies K drafts
+    for all 16 requests in every step, so the per-token verify cost is never identified, and
+    a per-token cost learnt as 0 at low load made 16 drafts look free at saturation). A
+    re-measurement of plain steps where drafting measured faster is left to close calls. The
+    guard only removes drafts, so outputs stay those of static speculation."""
 
     enabled: bool = True  # off: the rule decides alone (an injected cost model, in tests)
     margin: float = 0.25
@@ -458,7 +485,10 @@ class DraftGuard:
         close = gain < 1.0 + self.margin
         a = self.arms.get(key)
         measured = a is not None and min(a.seen) >= self.min_seen
-        if drafting and (close or measured):
+        # A large predicted gain is followed until its drafting has been measured min_seen
+        # times; then plain steps are measured too (they cost no more than plain decoding).
+        drafted = a is not None and a.seen[1] >= self.min_seen
+        if drafting and (close or measured or drafted):
             a = self.arms.setdefault(key, _Arms())
             a.since[0] += 1
             a.since[1] += 1

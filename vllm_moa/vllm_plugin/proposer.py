@@ -393,8 +393,10 @@ class MoAVllmProposer:
         tokens = int(scheduler_output.total_num_scheduled_tokens)
         in_step = len(scheduler_output.num_scheduled_tokens)
         decode_only = tokens == in_step + sum(len(v) for v in verified.values())
+        if started is not None and tokens > 0 and not decode_only:
+            # A prompt chunk's per-token cost is not a draft's, but bounds it at large steps.
+            self.lengths.costs.observe_prefill(tokens, time.perf_counter() - started)
         if started is not None and tokens > 0 and decode_only:
-            # Decode steps only: a prompt chunk's per-token cost is not a draft's.
             seconds = time.perf_counter() - started
             self.lengths.costs.observe_verify(tokens, seconds)
             if last_phase is not None:
