@@ -11,7 +11,10 @@ request rate, `vllm bench serve` (backend vllm, the held-out prompts as a custom
 arrivals, fixed seed: every method serves the same requests) reports output tokens/s and
 TTFT / TPOT / end-to-end latency percentiles; acceptance (tau, per position) comes from the
 server's own `/metrics` read around each rate. `--rounds N` sweeps the rates N times per server
-and reports each figure's median (and each round's throughput); a MoA arm's row also keeps the
+and reports each figure's median (and each round's throughput); `--warmup N` runs N rounds
+first, reported apart; `--interleave` starts every server at once and runs the arms in turn in
+each round (forward, then backward), so drift hits them alike and each round gives a paired
+ratio to plain (`rounds_vs_plain`, median `paired_vs_plain`). A MoA arm's row also keeps the
 adaptive rule's last log line (its choices and fitted costs). Writes a JSON (config, git SHA,
 machine, figures) and a PNG beside it.
 """
@@ -198,6 +201,41 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
+def _rows(
+    runs: dict[str, dict[str, list[dict[str, Any]]]], logs: dict[str, Path], args: Any
+) -> list[dict[str, Any]]:
+    """One row per method and rate: the medians over the measured rounds (after the warm-up
+    ones), each round's throughput, and each round's throughput over plain's in the same round
+    (paired: what an interleaved run compares)."""
+    rows: list[dict[str, Any]] = []
+    for method, by_rate in runs.items():
+        for rate, all_rounds in by_rate.items():
+            measured = all_rounds[args.warmup :]
+            row = {"method": method, "request_rate": rate, **_median(measured)}
+            if args.rounds > 1:
+                row["rounds_output_tokens_per_s"] = [r["output_tokens_per_s"] for r in measured]
+            if args.warmup:
+                row["warmup_output_tokens_per_s"] = [
+                    r["output_tokens_per_s"] for r in all_rounds[: args.warmup]
+                ]
+            plain = runs["plain"][rate][args.warmup :]
+            row["throughput_vs_plain"] = row["output_tokens_per_s"] / statistics.median(
+                r["output_tokens_per_s"] for r in plain
+            )
+            if args.interleave:
+                paired = [
+                    r["output_tokens_per_s"] / p["output_tokens_per_s"]
+                    for r, p in zip(measured, plain, strict=True)
+                ]
+                row["rounds_vs_plain"] = paired
+                row["paired_vs_plain"] = statistics.median(paired)
+            rows.append(row)
+        summary = [line for line in logs[method].read_text().splitlines() if ADAPTIVE in line]
+        if summary:  # the adaptive rule's last report: its choices and fitted costs
+            rows[-1]["adaptive_log"] = summary[-1].split(ADAPTIVE, 1)[1].strip()
+    return rows
+
+
 def main() -> None:
     from benchmarks.testbed.report import save_json
     from benchmarks.throughput import vllm_eagle_dir
@@ -216,6 +254,16 @@ def main() -> None:
     p.add_argument(
         "--rounds", type=int, default=1,
         help="sweep the rates this many times per server; each figure is the median over rounds",
+    )  # fmt: skip
+    p.add_argument(
+        "--interleave", action="store_true",
+        help="all servers up at once, the arms in turn in each round (forward, then backward): "
+        "drift hits every arm alike, and each round gives paired ratios to plain",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup", type=int, default=0,
+        help="rounds run first and not counted in the medians (their throughput is kept): a "
+        "fresh server's first burst compiles, and adaptive speculation learns its costs",
     )  # fmt: skip
     p.add_argument(
         "--adaptive", default="both", choices=["both", "on", "off"],
@@ -244,31 +292,30 @@ def main() -> None:
             "model": vllm_eagle_dir(args.eagle, args.target),
             "num_speculative_tokens": args.k,
         }
-    rows: list[dict[str, Any]] = []
-    for method, spec in methods.items():
-        server = Server(args.target, spec, work / f"{method}.log", args.max_model_len)
+    if args.interleave:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # every server up at once
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    logs: dict[str, Path] = {}
+    for group in [list(methods)] if args.interleave else [[m] for m in methods]:
+        servers: dict[str, Server] = {}
         try:
-            runs: dict[str, list[dict[str, Any]]] = {rate: [] for rate in args.rates}
-            for round_ in range(args.rounds):
-                for rate in args.rates:
-                    result = work / f"{method}_{rate}_{round_}.json"
-                    runs[rate].append(_measure(server, args, dataset, rate, result))
-                    print(method, rate, json.dumps(runs[rate][-1]), flush=True)
-            for rate in args.rates:
-                row = {"method": method, "request_rate": rate, **_median(runs[rate])}
-                if args.rounds > 1:
-                    row["rounds_output_tokens_per_s"] = [
-                        r["output_tokens_per_s"] for r in runs[rate]
-                    ]
-                rows.append(row)
-            summary = [line for line in server.log.read_text().splitlines() if ADAPTIVE in line]
-            if summary:  # the adaptive rule's last report: its choices and fitted costs
-                rows[-1]["adaptive_log"] = summary[-1].split(ADAPTIVE, 1)[1].strip()
+            for method in group:
+                logs[method] = work / f"{method}.log"
+                servers[method] = Server(
+                    args.target, methods[method], logs[method], args.max_model_len
+                )
+            for round_ in range(args.warmup + args.rounds):
+                # Interleaved: the arms in turn, forward and backward in alternate rounds.
+                for method in group if round_ % 2 == 0 else group[::-1]:
+                    mine = runs.setdefault(method, {rate: [] for rate in args.rates})
+                    for rate in args.rates:
+                        result = work / f"{method}_{rate}_{round_}.json"
+                        mine[rate].append(_measure(servers[method], args, dataset, rate, result))
+                        print(method, rate, json.dumps(mine[rate][-1]), flush=True)
         finally:
-            server.stop()
-    plain = {r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
-    for r in rows:
-        r["throughput_vs_plain"] = r["output_tokens_per_s"] / plain[r["request_rate"]]
+            for server in servers.values():
+                server.stop()
+    rows = _rows(runs, logs, args)
     out = Path(args.out)
     config = {**vars(args), "env": {k: v for k, v in os.environ.items() if k.startswith("VLLM")}}
     save_json(out, "serve_sweep", {"config": config, "vllm": vllm.__version__, "results": rows})
