@@ -174,18 +174,29 @@ def _throughput(data: dict[str, Any]) -> Iterator[list[Any]]:
 
 
 def _serve_sweep(data: dict[str, Any]) -> Iterator[list[Any]]:
-    yield ["requests/s", "arm", "output tok/s", "vs plain", "TTFT p50 (ms)", "TPOT p50 (ms)",
-           "latency p50 / p99 (s)", "tau"]  # fmt: skip
     rows = data["results"]
+    paired = all("paired_vs_plain" in r for r in rows)  # an interleaved run
+    yield ["requests/s", "arm", "output tok/s", "vs plain",
+           *(["paired vs plain (range)"] if paired else []), "TTFT p50 (ms)", "TPOT p50 (ms)",
+           "latency p50 / p99 (s)", "tau"]  # fmt: skip
     rates = list(dict.fromkeys(r["request_rate"] for r in rows))
     plain = {r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
     for rate in rates:
         for r in (r for r in rows if r["request_rate"] == rate):
+            spread = (
+                [
+                    f"{r['paired_vs_plain']:.2f} ({min(r['rounds_vs_plain']):.2f}-"
+                    f"{max(r['rounds_vs_plain']):.2f})"
+                ]
+                if paired
+                else []
+            )
             yield [
                 "all at once" if rate == "inf" else rate,
                 r["method"],
                 f"{r['output_tokens_per_s']:.1f}",
                 f"{r['output_tokens_per_s'] / plain[rate]:.2f}",
+                *spread,
                 f"{r['ttft_p50_ms']:.0f}",
                 f"{r['tpot_p50_ms']:.1f}",
                 f"{r['e2e_latency_p50_ms'] / 1e3:.2f} / {r['e2e_latency_p99_ms'] / 1e3:.2f}",
@@ -252,7 +263,8 @@ def _draft_cost(data: dict[str, Any]) -> Iterator[list[Any]]:
 
 
 def _serve_sweep_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
-    """One row per rate, one column per arm: throughput vs plain, median latency (s)."""
+    """One row per rate, one column per arm: throughput vs plain (the median of the paired
+    rounds' ratios where the run interleaved the arms), median latency (s)."""
     rows = data["results"]
     arms = list(dict.fromkeys(r["method"] for r in rows))
     names = {"plain": "plain", "eagle": "vLLM EAGLE (fixed K)"}
@@ -265,7 +277,7 @@ def _serve_sweep_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
         cells = []
         for a in arms:
             r = by[(rate, a)]
-            ratio = r["output_tokens_per_s"] / plain[rate]
+            ratio = r.get("paired_vs_plain", r["output_tokens_per_s"] / plain[rate])
             cells.append(f"{ratio:.2f}, {r['e2e_latency_p50_ms'] / 1e3:.2f}")
         yield ["all at once" if rate == "inf" else rate, *cells]
 
