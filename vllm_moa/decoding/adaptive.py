@@ -487,8 +487,9 @@ class DraftGuard:
         measured = a is not None and min(a.seen) >= self.min_seen
         # A large predicted gain is followed until its drafting has been measured min_seen
         # times; then plain steps are measured too (they cost no more than plain decoding).
+        # (`measured` implies this.)
         drafted = a is not None and a.seen[1] >= self.min_seen
-        if drafting and (close or measured or drafted):
+        if drafting and (close or drafted):
             a = self.arms.setdefault(key, _Arms())
             a.since[0] += 1
             a.since[1] += 1
