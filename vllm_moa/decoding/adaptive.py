@@ -33,12 +33,12 @@ over k_r <= budget_r: for every candidate number of draft steps m in 0..K, each 
 the drafts whose expected extra tokens beat their verify cost at the current goodput, up to m;
 the best m wins. Plain decoding (m = 0) is one of the candidates, so a drafter that never
 matches, or a load where extra verify tokens cost more than they return, ends at K = 0; then
-`Probes` has one request draft one token now and then, so that a change is noticed. Where the
-predicted gain is small (or the batch size has measured against drafting), `DraftGuard`
-decides by measurement instead: the seconds per emitted token of steps with and without the
-rule's drafts at that batch size. The choice only decides how many tokens are drafted;
-verification is unchanged, so outputs are exactly those of static speculation (and of plain
-decoding, greedy).
+`Probes` has one request draft one token now and then, so that a change is noticed.
+`DraftGuard` checks the cost model by measurement: per batch size, its error on steps with and
+without the rule's drafts (measured over predicted seconds) corrects the predicted gain, and
+drafting is vetoed where the corrected gain is below 1. The choice only decides how many tokens
+are drafted; verification is unchanged, so outputs are exactly those of static speculation (and
+of plain decoding, greedy).
 
 `VLLM_MOA_ADAPTIVE=0` turns the rule off everywhere (fixed K), e.g. to compare drafting costs at
 a fixed K.
@@ -295,11 +295,15 @@ class StepCosts:
     ) -> float:
         """A step verifying `tokens` after `draft_steps` draft steps of `drafts` drafts in all
         (default: one request's, = draft_steps) that wrote `rows` history rows."""
-        if not draft_steps:
-            return self.verify_time(tokens)
-        each = self.draft_each * (draft_steps if drafts is None else drafts)
-        draft = self.draft_base + self.draft_step * draft_steps + each + self.draft_row * rows
-        return self.verify_time(tokens) + draft
+        return self.verify_time(tokens) + self.draft_time(draft_steps, drafts, rows)
+
+    def draft_time(self, steps: int, drafts: int | None = None, rows: float = 0.0) -> float:
+        """A draft phase of `steps` draft steps (0: none, no cost) of `drafts` drafts in all
+        (default: one request's, = steps) that writes `rows` history rows."""
+        if not steps:
+            return 0.0
+        each = self.draft_each * (steps if drafts is None else drafts)
+        return self.draft_base + self.draft_step * steps + each + self.draft_row * rows
 
 
 def _least_squares(
@@ -433,38 +437,40 @@ def batch_bucket(batch: int) -> int:
 @dataclass
 class _Arms:
     """One batch-size class's measurements: per arm (0: no drafts, 1: the rule's drafts), the
-    exponential averages of a step's seconds and emitted tokens, their count, and the guard's
-    decisions since the arm was last measured."""
+    exponential averages of a step's measured seconds and of the cost model's prediction for
+    it, their count, and the guard's decisions since the arm was last measured."""
 
     seconds: list[float] = field(default_factory=lambda: [0.0, 0.0])
-    tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
+    predicted: list[float] = field(default_factory=lambda: [0.0, 0.0])
     seen: list[int] = field(default_factory=lambda: [0, 0])
     since: list[int] = field(default_factory=lambda: [0, 0])
 
-    def per_token(self, arm: int) -> float:
-        return self.seconds[arm] / max(self.tokens[arm], 1e-12)
+    def error(self, arm: int) -> float:
+        """Measured over predicted seconds: the cost model's error for the arm's steps."""
+        return self.seconds[arm] / max(self.predicted[arm], 1e-12)
 
 
 @dataclass
 class DraftGuard:
-    """A measured check on the cost model's close calls. Where the rule predicts that its
-    drafts gain less than `margin` over plain decoding, a small error in the step-cost model
-    (a line fitted over a wide range of step sizes, noisy timings) decides, and at saturation
-    it decided wrongly (0.90x plain on a compute-bound CPU). There, for the batch-size class of
-    the step (`batch_bucket`), the seconds per emitted token of steps that drafted (the rule's
-    choice) and of steps that did not are measured (each step's verify plus the draft phase
-    before it, over the tokens the verify emitted), and the cheaper arm is followed: drafting
-    is vetoed where it measured slower. Until each arm has `min_seen` steps the two alternate;
-    afterwards the other arm is re-measured once every `retest` close calls, so a change of
-    traffic is followed. A predicted gain of `margin` or more is followed until its drafting
-    arm has `min_seen` measurements; then the plain arm is measured as many times (a few
-    plain steps cost a share of a real large gain, never more than plain decoding), and
-    where drafting measured slower it is vetoed too, with the same re-measurements of
-    drafting: the cost model can be far off (a fresh server's first burst verifies K drafts
-    for all 16 requests in every step, so the per-token verify cost is never identified, and
-    a per-token cost learnt as 0 at low load made 16 drafts look free at saturation). A
-    re-measurement of plain steps where drafting measured faster is left to close calls. The
-    guard only removes drafts, so outputs stay those of static speculation."""
+    """A measured check on the cost model. The rule's predicted gain is only as good as its
+    step-cost model, a line fitted over a wide range of step sizes from noisy timings: at
+    saturation a few percent of error decided close calls wrongly (0.90x plain on a
+    compute-bound CPU), and a fresh server's first burst, verifying K drafts for every request
+    in every step, never shows a plain step's time, so the model can be far off (0.78x). For
+    the batch-size class of each step (`batch_bucket`), the guard measures the model's error
+    on the steps that drafted (the rule's choice: the verify and the draft phase before it)
+    and on those that did not: measured over predicted seconds, rho_1 and rho_0. The rule's
+    gain corrected by them, gain * rho_0 / rho_1, decides: drafting is vetoed where it is below
+    1. Acceptance is not re-measured here: the rule's expected tokens come from the requests'
+    trackers, and the seconds per emitted token of a few steps confuse a streak of one
+    request's rejections with cost (at batch 1 such a guard cost 7% against the fixed K).
+
+    Until the drafting arm has `min_seen` measurements the rule is followed, then the plain
+    arm is measured as many times (plain steps cost no more than plain decoding); afterwards a
+    vetoed arm is re-measured once every `retest` vetoes, and on close calls (corrected gain
+    below 1 + `margin`) the plain arm once every `retest` drafting steps, so a change of
+    traffic is followed. The guard only removes drafts, so outputs stay those of static
+    speculation."""
 
     enabled: bool = True  # off: the rule decides alone (an injected cost model, in tests)
     margin: float = 0.25
@@ -482,41 +488,39 @@ class DraftGuard:
             return drafting
         key = batch_bucket(batch)
         arm = int(drafting)
-        close = gain < 1.0 + self.margin
-        a = self.arms.get(key)
-        measured = a is not None and min(a.seen) >= self.min_seen
-        # A large predicted gain is followed until its drafting has been measured min_seen
-        # times; then plain steps are measured too (they cost no more than plain decoding).
-        # (`measured` implies this.)
-        drafted = a is not None and a.seen[1] >= self.min_seen
-        if drafting and (close or drafted):
+        if drafting:
             a = self.arms.setdefault(key, _Arms())
             a.since[0] += 1
             a.since[1] += 1
-            if not measured:
-                arm = int(a.seen[1] <= a.seen[0])  # alternate until both are measured
-            elif a.per_token(1) <= a.per_token(0):  # drafting measured faster: draft, but for
-                arm = int(not (close and a.since[0] > self.retest))  # a re-measured close call
-            else:  # drafting measured slower: not, but for a re-measurement now and then
-                arm = int(a.since[1] > self.retest)
+            if a.seen[1] < self.min_seen:
+                arm = 1  # the rule's choice, until its error is measured
+            elif a.seen[0] < self.min_seen:
+                arm = 0  # then plain steps' error, whatever the predicted gain
+            else:
+                corrected = gain * a.error(0) / a.error(1)
+                if corrected < 1.0:  # slower, measured: no drafts but a re-measurement now and then
+                    arm = int(a.since[1] > self.retest)
+                else:  # faster: draft, but for a re-measurement of plain steps on close calls
+                    arm = int(not (corrected < 1.0 + self.margin and a.since[0] > self.retest))
             self.vetoed += 1 - arm
         self.pending = (key, arm)
         return bool(arm)
 
-    def observe(self, batch: int, tokens: int, seconds: float) -> None:
-        """The step that verified the last decision: `tokens` emitted over the whole batch in
-        `seconds` (its verify and the draft phase before it). Steps whose batch changed class
-        (requests joined or left) are not counted."""
+    def observe(self, batch: int, seconds: float, predicted: float) -> None:
+        """The step that verified the last decision took `seconds` (its verify and the draft
+        phase before it) where the cost model, before it learnt from this step, predicted
+        `predicted`. Steps whose batch changed class (requests joined or left) are not
+        counted."""
         if self.pending is None:
             return
         key, arm = self.pending
         self.pending = None
-        if batch_bucket(batch) != key or tokens <= 0:
+        if batch_bucket(batch) != key or predicted <= 0:
             return
         a = self.arms.setdefault(key, _Arms())
         w = max(self.weight, 1.0 / (a.seen[arm] + 1))
         a.seconds[arm] += w * (seconds - a.seconds[arm])
-        a.tokens[arm] += w * (tokens - a.tokens[arm])
+        a.predicted[arm] += w * (predicted - a.predicted[arm])
         a.seen[arm] += 1
         a.since[arm] = 0
 
@@ -554,8 +558,8 @@ class AdaptiveLengths:
         remaining: list[int] | None = None,
         batch: int | None = None,
     ) -> list[int]:
-        """Drafts per request this step: the goodput rule, checked by the guard where it is a
-        close call, or a probe while it drafts nothing. `catch_up`: history rows each request
+        """Drafts per request this step: the goodput rule, checked by the guard, or a probe
+        while it drafts nothing. `catch_up`: history rows each request
         must write before it drafts beyond a step's own (0 when it drafted the step before);
         `remaining`: tokens each may still generate; `batch`: the step's requests (default: one
         per tracker), the guard's batch-size class."""
@@ -575,10 +579,11 @@ class AdaptiveLengths:
             self.chosen[k] += 1
         return ks
 
-    def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
-        """The step that verified the last `choose`: `tokens` emitted by its `batch` requests,
-        `seconds` for its verify and the draft phase before it (for the guard)."""
-        self.guard.observe(batch, tokens, seconds)
+    def observe_step(self, batch: int, seconds: float, predicted: float) -> None:
+        """The step that verified the last `choose`, of `batch` requests: `seconds` for its
+        verify and the draft phase before it, and what the cost model predicted for them before
+        it learnt from this step (for the guard)."""
+        self.guard.observe(batch, seconds, predicted)
 
     def summary(self) -> str:
         total = max(sum(self.chosen), 1)

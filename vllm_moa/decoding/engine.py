@@ -80,7 +80,7 @@ class SpeculativeEngine:
         # Injectable so tests can prove the distribution test catches a broken verifier.
         self.rejection_verifier = rejection_verifier
         # Adaptive speculation's measurements, kept across requests (injectable for tests: an
-        # injected cost model decides alone, without the guard's measured check of close calls).
+        # injected cost model decides alone, without the guard's measured check of it).
         self.step_costs = step_costs or StepCosts()
         self._guard_enabled = step_costs is None
         self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
@@ -158,6 +158,10 @@ class SpeculativeEngine:
                 catch_up = len(behind.tokens) if behind is not None else 0
                 remaining = max_new_tokens - len(generated)
                 k = lengths.choose([tracker], [k], [catch_up], [remaining])[0]
+                # The cycle's time as the cost model predicts it (for the guard): with drafts,
+                # the rows it writes are the backlog and about the tokens it emits.
+                rows = catch_up + tracker.expected_tokens(k)
+                predicted = costs.step_time(k + 1 if k else 1, k, k, rows) if costs.known else 0.0
             drafted_before = stats.num_draft_tokens
             cycle_began = time.perf_counter()
             if k >= 1 and behind is not None:
@@ -179,7 +183,7 @@ class SpeculativeEngine:
             if adaptive:  # what was drafted: a proposer may draft fewer than asked (n-gram)
                 tracker.observe(stats.num_draft_tokens - drafted_before, len(new) - 1)
             if chose:  # the guard's measurement of the cycle it decided
-                lengths.observe_step(1, len(new), time.perf_counter() - cycle_began)
+                lengths.observe_step(1, time.perf_counter() - cycle_began, predicted)
             for token in new:
                 generated.append(token)
                 finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)

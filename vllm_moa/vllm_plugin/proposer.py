@@ -125,7 +125,9 @@ class MoAVllmProposer:
         self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
         self.lengths = AdaptiveLengths(self.num_speculative_tokens, StepCosts(), guard=DraftGuard())
         self._chosen_logged = time.monotonic()
-        self._last_phase: float | None = None  # see _propose_in_runner
+        # The draft phase before the next verify: its seconds and the cost model's prediction
+        # of them (0: none yet); see _propose_in_runner.
+        self._last_phase: tuple[float, float] | None = None
         # The hot functions, compiled where vLLM compiles the target (compiled.py).
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
         self._page_rows: Callable[..., tuple[torch.Tensor, ...]] = page_rows
@@ -318,7 +320,7 @@ class MoAVllmProposer:
                 sampled_token_ids,
                 last_phase,
             )
-            self._last_phase = 0.0
+            self._last_phase = (0.0, 0.0)
             keep = [i for i, k in enumerate(ks) if k > 0]
             rows, states = [rows[i] for i in keep], [states[i] for i in keep]
             budgets, lengths = [ks[i] for i in keep], [lengths[i] for i in keep]
@@ -334,12 +336,14 @@ class MoAVllmProposer:
         self._write_pages(runner, states, pending)
         chains = self._draft(runner, rows, states, pending, budgets)
         done = time.perf_counter()
-        if self.adaptive:
-            self._last_phase = done - began
         # The draft phase: rows written for the tokens just verified (and for those a request
         # skipped while it did not draft), then the draft steps.
         written = sum(len(p) - 1 for p in pending)
-        self.lengths.costs.observe_draft(max(budgets), done - began, sum(budgets), written)
+        costs = self.lengths.costs
+        if self.adaptive:
+            predicted = costs.draft_time(max(budgets), sum(budgets), written) if costs.known else 0
+            self._last_phase = (done - began, predicted)
+        costs.observe_draft(max(budgets), done - began, sum(budgets), written)
         if self.adaptive and self.lengths.probes.probing:
             self.lengths.probes.spent(done - began)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
@@ -382,12 +386,12 @@ class MoAVllmProposer:
         budgets: list[int],
         lengths: list[int],
         sampled_token_ids: list[list[int]],
-        last_phase: float | None,
+        last_phase: tuple[float, float] | None,
     ) -> list[int]:
         """Record the step just verified (the target's time for its tokens, from the runner's
         execute_model to here; each request's accepted drafts; for the guard, its tokens over
-        its time and that of the draft phase before it, `last_phase`), then choose how many
-        tokens each request drafts now."""
+        its time and that of the draft phase before it, `last_phase`, against the cost model's
+        prediction of both), then choose how many tokens each request drafts now."""
         started = getattr(runner, "_vllm_moa_step_start", None)
         verified = scheduler_output.scheduled_spec_decode_tokens
         tokens = int(scheduler_output.total_num_scheduled_tokens)
@@ -398,10 +402,14 @@ class MoAVllmProposer:
             self.lengths.costs.observe_prefill(tokens, time.perf_counter() - started)
         if started is not None and tokens > 0 and decode_only:
             seconds = time.perf_counter() - started
-            self.lengths.costs.observe_verify(tokens, seconds)
+            costs = self.lengths.costs
             if last_phase is not None:
-                emitted = sum(len(t) for t in sampled_token_ids)
-                self.lengths.observe_step(in_step, emitted, seconds + last_phase)
+                phase, phase_predicted = last_phase
+                predicted = costs.verify_time(tokens) + phase_predicted if costs.known else 0.0
+                if phase and not phase_predicted:
+                    predicted = 0.0  # drafted before the model knew the draft phase: not counted
+                self.lengths.observe_step(in_step, seconds + phase, predicted)
+            costs.observe_verify(tokens, seconds)
         trackers: list[AcceptanceTracker] = []
         catch_up: list[int] = []  # history rows to write before drafting
         remaining: list[int] = []  # tokens each request may still generate
