@@ -135,6 +135,25 @@ def test_prefill_steps_bound_the_verify_cost_beyond_the_decode_steps_seen():
     assert c.step_time(32, 0) == c.verify_time(32)
 
 
+def test_a_first_burst_costs_its_verify_tokens_at_the_prefill_rate_until_b_is_identified():
+    """A fresh server's first burst (traced on the CPU pair): a 1,879-token prefill in 2.8 s,
+    then every step verifies K=4 drafts for all 16 requests (80 tokens, 127 ms): steps of one
+    size never identify b, and with b = 0 the rule put a plain step at 127 ms too and drafted
+    on. The prefill's time per token stands for b until the decode steps identify it, so a
+    plain step is put at about 32 ms and drafts at this acceptance stop."""
+    c = StepCosts()
+    c.observe_prefill(1879, 2.8)
+    for _ in range(3):
+        c.observe_verify(80, 0.127)
+    c.observe_draft(4, 0.040, 64, 0)
+    assert c.per_token == pytest.approx(2.8 / 1879) and c.verify_time(16) < 0.035
+    burst = [AcceptanceTracker(K, alpha=[0.5, 0.23, 0.17, 0.08]) for _ in range(16)]
+    assert choose_lengths(burst, [K] * 16, c) == [0] * 16
+    for n in (16, 17, 16, 18, 16, 20) * 5:  # plain steps and a few drafts: b identified
+        c.observe_verify(n, 0.035 + 0.00115 * n)
+    assert c.per_token == pytest.approx(0.00115, rel=0.05)
+
+
 def test_a_long_catch_up_is_paid_only_where_the_steps_left_repay_it():
     """Two requests that would draft: the one with 500 history rows to write first (e.g. its
     prompt, 1 ms each) starts drafting only when it has enough tokens left to repay them."""

@@ -169,13 +169,13 @@ class StepCosts:
     just verified, and of those a request skipped while it did not draft, the draft steps over
     the drafting requests, bookkeeping; e is what makes drafting for a large batch cost more, r
     what makes a request that starts drafting after a long prompt or pause cost more). Least
-    squares over recent steps, exponentially forgotten. b is 0 until the steps seen vary enough
-    in size to tell; each of e and r is fitted only once its regressor has varied apart from
-    those before it (at batch 1, s = m), and the draft phase falls back to c + d * m, then to a
-    mean ratio d, when m has not varied enough to tell, or a fit would need a negative
-    coefficient. A coefficient the recent steps no longer identify keeps its last identified
-    value: a load that holds the batch steady must not make its extra tokens (b) or a long
-    prompt's rows (r) look free."""
+    squares over recent steps, exponentially forgotten. b is the prefill steps' time per token
+    (a bound; 0 without any) until the steps seen vary enough in size to tell; each of e and r
+    is fitted only once its regressor has varied apart from those before it (at batch 1,
+    s = m), and the draft phase falls back to c + d * m, then to a mean ratio d, when m has not
+    varied enough to tell, or a fit would need a negative coefficient. A coefficient the recent
+    steps no longer identify keeps its last identified value: a load that holds the batch
+    steady must not make its extra tokens (b) or a long prompt's rows (r) look free."""
 
     forget: float = 0.05  # weight of each new observation in the running moments
     min_spread: float = 0.4  # std of n (of m, s, w) below which b (c and d, e, r) is not identified
@@ -198,6 +198,7 @@ class StepCosts:
     # steps, the time per token of a large step over the verify base (a bound on b there).
     largest: float = 0.0
     prefill_per_token: float = 0.0
+    _b_identified: bool = False
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
         f = self.forget if self._w else 1.0
@@ -207,8 +208,11 @@ class StepCosts:
         self._nn += f * (tokens * tokens - self._nn)
         self._nt += f * (tokens * seconds - self._nt)
         var = self._nn - self._n * self._n
-        if var >= self.min_spread**2:  # else b keeps its last identified value (0 at first)
+        if var >= self.min_spread**2:  # else b keeps its last identified value
             self.per_token = max(0.0, (self._nt - self._n * self._t) / var)
+            self._b_identified = True
+        elif not self._b_identified:  # never identified: the prefill steps' bound (0 without)
+            self.per_token = self.prefill_per_token
         self.base = max(self._t - self.per_token * self._n, 0.0)
         self.largest = max(float(tokens), self.largest * (1.0 - 0.1 * self.forget))
 
@@ -216,8 +220,11 @@ class StepCosts:
         """A step with prompt tokens (`tokens` in all): its time per token over the verify base
         bounds what a verify token costs beyond the decode steps seen (a fit over small decode
         steps can learn b as about 0 on a target that is compute-bound at a saturated batch's
-        size)."""
-        if tokens <= self.largest or not self._w:
+        size). Before any decode step, its time per token (base included) stands for b until
+        the decode steps identify it: a fresh server's first burst verifies K drafts for every
+        request in every step, all of one size, and a b of 0 made those steps' cost look like
+        a plain step's."""
+        if tokens <= self.largest:
             return
         est = max(seconds - self.base, 0.0) / tokens
         w = 0.3 if self.prefill_per_token else 1.0
