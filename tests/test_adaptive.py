@@ -311,7 +311,7 @@ def test_guard_corrects_the_predicted_gain_by_the_measured_model_error():
     arms = []
     for _ in range(2 * cold.min_seen + 2 * cold.retest):
         arms.append(cold.decide(16, True, 3.0))
-        cold.observe(16, 0.146 if arms[-1] else 0.045, 0.146)
+        cold.observe(16, 0.146 if arms[-1] else 0.045, 0.146, 23 if arms[-1] else 16)
     n = cold.min_seen
     assert arms[: 2 * n] == [True] * n + [False] * n
     retests = [i for i, a in enumerate(arms) if a][n:]  # drafting re-measured, every retest
@@ -326,19 +326,29 @@ def test_guard_corrects_the_predicted_gain_by_the_measured_model_error():
 @pytest.mark.parametrize("gain", [1.1, 1.5])
 def test_guard_keeps_drafts_the_model_predicts_well_whatever_one_request_accepts(gain):
     """Batch 1: a verify with drafts costs what the model predicts, and so does a plain step
-    (timing noise of 5%). The guard measures cost, not the tokens emitted, so one request's
-    streaks of rejected drafts cannot veto drafting (the per-emitted-token guard did: 7%
-    against the fixed K): it drafts but for the plain steps that measure the model's error
-    (min_seen at first; on a close call, one every `retest` + 1)."""
-    rng = random.Random(0)
-    guard = DraftGuard()
-    arms = []
-    for _ in range(200):
-        arms.append(guard.decide(1, True, gain))
-        predicted = 0.030 if arms[-1] else 0.029
-        guard.observe(1, predicted * rng.uniform(0.95, 1.05), predicted)
-    share = sum(arms[2 * guard.min_seen :]) / len(arms[2 * guard.min_seen :])
-    assert share > (0.9 if gain < 1 + guard.margin else 0.99), share
+    (timing noise of 5%), while the one request's accepted drafts come in streaks (all 4 for 2
+    steps, then none for 8). At batch 1 the guard checks the cost model, not the tokens
+    emitted, so such streaks cannot veto drafting (the per-emitted-token guard did: 7% against
+    the fixed K): it drafts but for the plain steps that measure the model's error (min_seen at
+    first; on a close call, one every `retest` + 1). From `goodput_batch` requests on, emitted
+    tokens average over the batch and are compared too: where no draft is accepted, the same
+    timings veto the drafts."""
+    for batch in (1, DraftGuard.goodput_batch):
+        rng = random.Random(0)
+        guard = DraftGuard()
+        arms = []
+        for step in range(200):
+            arms.append(guard.decide(batch, True, gain))
+            predicted = 0.030 if arms[-1] else 0.029
+            streak = 5 if step % 10 < 2 else 1  # at batch goodput_batch: nothing accepted
+            emitted = (streak if batch == 1 else 1) if arms[-1] else 1
+            seconds = predicted * rng.uniform(0.95, 1.05)
+            guard.observe(batch, seconds, predicted, batch * emitted)
+        share = sum(arms[2 * guard.min_seen :]) / len(arms[2 * guard.min_seen :])
+        if batch == 1:
+            assert share > (0.9 if gain < 1 + guard.margin else 0.99), share
+        else:
+            assert share < 0.5, share
 
 
 @pytest.mark.parametrize("drafting_pays", [False, True])
@@ -359,7 +369,7 @@ def test_guard_follows_the_measured_arm_on_close_calls(drafting_pays):
         drafted.append(on)
         seconds = (0.050 if drafting_pays else 0.076) if on else 0.045
         predicted = c.step_time(16 + sum(ks), max(ks), sum(ks))
-        lengths.observe_step(16, seconds, predicted)
+        lengths.observe_step(16, seconds, predicted, 23 if on else 16)
     share = sum(drafted[40:]) / len(drafted[40:])
     if drafting_pays:
         assert share > 0.9 and lengths.guard.vetoed < 0.1 * len(drafted)

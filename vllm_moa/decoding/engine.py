@@ -183,7 +183,7 @@ class SpeculativeEngine:
             if adaptive:  # what was drafted: a proposer may draft fewer than asked (n-gram)
                 tracker.observe(stats.num_draft_tokens - drafted_before, len(new) - 1)
             if chose:  # the guard's measurement of the cycle it decided
-                lengths.observe_step(1, time.perf_counter() - cycle_began, predicted)
+                lengths.observe_step(1, time.perf_counter() - cycle_began, predicted, len(new))
             for token in new:
                 generated.append(token)
                 finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)

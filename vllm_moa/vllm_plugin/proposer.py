@@ -408,7 +408,8 @@ class MoAVllmProposer:
                 predicted = costs.verify_time(tokens) + phase_predicted if costs.known else 0.0
                 if phase and not phase_predicted:
                     predicted = 0.0  # drafted before the model knew the draft phase: not counted
-                self.lengths.observe_step(in_step, seconds + phase, predicted)
+                emitted = sum(len(t) for t in sampled_token_ids)
+                self.lengths.observe_step(in_step, seconds + phase, predicted, emitted)
             costs.observe_verify(tokens, seconds)
         trackers: list[AcceptanceTracker] = []
         catch_up: list[int] = []  # history rows to write before drafting
