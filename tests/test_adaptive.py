@@ -299,7 +299,7 @@ def test_guard_corrects_the_predicted_gain_by_the_measured_model_error():
     assert [batch_bucket(b) for b in (1, 9, 16, 17, 18, 32, 64)] == [1, 9, 16, 17, 17, 24, 32]
     guard = DraftGuard()
     assert guard.decide(16, True, 1.5)  # unmeasured: the rule is followed
-    guard.observe(9, 0.03, 0.03)  # the batch changed class: not counted
+    guard.observe(9, 0.03, 0.03, 9)  # the batch changed class: not counted
     assert guard.arms[16].seen == [0, 0]
     assert not guard.decide(16, False, 1.0) and guard.pending == (16, 0)  # measured as "off"
     # A fresh server's first burst: every step verifies K drafts for all 16 requests, so the

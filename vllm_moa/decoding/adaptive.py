@@ -36,9 +36,10 @@ matches, or a load where extra verify tokens cost more than they return, ends at
 `Probes` has one request draft one token now and then, so that a change is noticed.
 `DraftGuard` checks the cost model by measurement: per batch size, its error on steps with and
 without the rule's drafts (measured over predicted seconds) corrects the predicted gain, and
-drafting is vetoed where the corrected gain is below 1. The choice only decides how many tokens
-are drafted; verification is unchanged, so outputs are exactly those of static speculation (and
-of plain decoding, greedy).
+drafting is vetoed where the corrected gain is below 1 (and, from 8 requests on, where its
+steps measured more seconds per emitted token than plain steps). The choice only decides how
+many tokens are drafted; verification is unchanged, so outputs are exactly those of static
+speculation (and of plain decoding, greedy).
 
 `VLLM_MOA_ADAPTIVE=0` turns the rule off everywhere (fixed K), e.g. to compare drafting costs at
 a fixed K.
@@ -526,7 +527,7 @@ class DraftGuard:
         self.pending = (key, arm)
         return bool(arm)
 
-    def observe(self, batch: int, seconds: float, predicted: float, tokens: int = 0) -> None:
+    def observe(self, batch: int, seconds: float, predicted: float, tokens: int) -> None:
         """The step that verified the last decision took `seconds` (its verify and the draft
         phase before it) where the cost model, before it learnt from this step, predicted
         `predicted`, and emitted `tokens`. Steps whose batch changed class (requests joined or
@@ -580,8 +581,8 @@ class AdaptiveLengths:
         batch: int | None = None,
     ) -> list[int]:
         """Drafts per request this step: the goodput rule, checked by the guard, or a probe
-        while it drafts nothing. `catch_up`: history rows each request
-        must write before it drafts beyond a step's own (0 when it drafted the step before);
+        while it drafts nothing. `catch_up`: history rows each request must write before it
+        drafts beyond a step's own (0 when it drafted the step before);
         `remaining`: tokens each may still generate; `batch`: the step's requests (default: one
         per tracker), the guard's batch-size class."""
         if not trackers:
