@@ -50,6 +50,35 @@ def test_cost_model_recovers_a_linear_step_time():
     assert flat.per_token == 0.0 and flat.base == pytest.approx(4.5)  # b not identified yet
 
 
+def test_a_cold_first_draft_phase_does_not_stop_drafting():
+    """A server's first draft phase ran at 4x its cost (measured in the load sweep): taken as
+    the model's whole draft cost it made the rule stop drafting, and the rule learns draft
+    costs only from phases it chooses (probes, one token, now and then). The serving engines
+    skip one cold phase, and an early phase measured too slow weighs as one of the phases so
+    far, so the next phase halves its error."""
+    trackers = [AcceptanceTracker(K, alpha=[0.7, 0.5, 0.4, 0.3])]
+
+    def after(phases: list[float], cold: int) -> StepCosts:
+        c = StepCosts(cold_phases=cold)
+        for n in (1, 2, 3, 1, 2, 3):
+            c.observe_verify(n, 0.030 + 0.002 * n)
+        for seconds in phases:
+            c.observe_draft(1, seconds)
+        return c
+
+    slow, normal = 0.160, 0.006
+    skipped = after([slow, normal], cold=1)
+    assert skipped.draft_step == pytest.approx(normal)
+    assert choose_lengths(trackers, [K], skipped)[0] >= 2
+    averaged = after([slow, normal], cold=0)  # a slow phase observed: the mean of the two
+    assert averaged.draft_step == pytest.approx((slow + normal) / 2)
+    for _ in range(28):  # probes at the normal cost: as 1/n (was: by 5% a probe, 0.041 now)
+        averaged.observe_draft(1, normal)
+    assert averaged.draft_step < 0.012
+    assert choose_lengths(trackers, [K], averaged)[0] >= 1
+    assert not StepCosts(cold_phases=1).known
+
+
 def test_draft_phase_cost_has_a_fixed_part_and_a_per_step_part():
     c = StepCosts(forget=0.2)
     assert c.draft_base == 0.0

@@ -18,7 +18,7 @@ K = 4
 MAX_TOKENS = 48
 
 
-def cheap_drafts():
+def cheap_drafts(**fields):
     """A cost model whose measurements are replaced: a draft step 1/20 of a target step."""
     from vllm_moa.decoding.adaptive import StepCosts
 
@@ -31,7 +31,7 @@ def cheap_drafts():
         def observe_verify(self, tokens: int, seconds: float) -> None:
             super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
 
-    return CheapDrafts()
+    return CheapDrafts(**fields)
 
 
 def injected_costs(monkeypatch) -> None:

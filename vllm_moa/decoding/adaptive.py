@@ -180,6 +180,11 @@ class StepCosts:
 
     forget: float = 0.05  # weight of each new observation in the running moments
     min_spread: float = 0.4  # std of n (of m, s, w) below which b (c and d, e, r) is not identified
+    # Draft phases not observed at first: a server's first one runs cold (first calls of the
+    # compiled step, caches, pages of weights not yet touched). One such phase measured at 4x
+    # its cost made the rule stop drafting, and it learns draft costs only from the phases it
+    # chooses: the serving engines skip one.
+    cold_phases: int = 0
     _w: float = 0.0
     _n: float = 0.0
     _t: float = 0.0
@@ -194,7 +199,7 @@ class StepCosts:
     draft_step: float = 0.0  # d
     draft_each: float = 0.0  # e
     draft_row: float = 0.0  # r
-    _draft_seen: bool = False
+    _draft_phases: int = 0  # draft phases observed (or skipped as cold)
     # Beyond the decode steps seen: the largest (slowly forgotten) and, from prefill / mixed
     # steps, the time per token of a large step over the verify base (a bound on b there).
     largest: float = 0.0
@@ -246,8 +251,14 @@ class StepCosts:
         one request, drafts = steps) that wrote `rows` history rows and took `seconds`."""
         if steps <= 0:
             return
-        f = self.forget if self._draft_seen else 1.0
-        self._draft_seen = True
+        self._draft_phases += 1
+        seen = self._draft_phases - self.cold_phases
+        if seen <= 0:
+            return
+        # The mean of the phases so far until it weighs each new one less than `forget`: the
+        # rule drafts (and so measures) little while it believes drafting costly, so an early
+        # phase measured too slow must not dominate the next few.
+        f = max(self.forget, 1.0 / seen)
         x = (1.0, float(steps), float(steps if drafts is None else drafts), float(rows))
         for i in range(4):
             self._xt[i] += f * (x[i] * seconds - self._xt[i])
@@ -296,7 +307,7 @@ class StepCosts:
 
     @property
     def known(self) -> bool:
-        return self._w > 0 and self._draft_seen
+        return self._w > 0 and self._draft_phases > self.cold_phases
 
     def step_time(
         self, tokens: int, draft_steps: int, drafts: int | None = None, rows: float = 0.0

@@ -81,7 +81,7 @@ class SpeculativeEngine:
         self.rejection_verifier = rejection_verifier
         # Adaptive speculation's measurements, kept across requests (injectable for tests: an
         # injected cost model decides alone, without the guard's measured check of it).
-        self.step_costs = step_costs or StepCosts()
+        self.step_costs = step_costs or StepCosts(cold_phases=1)
         self._guard_enabled = step_costs is None
         self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K: prior, probes, choices
         # Adaptive speculation leaves seeded sampled requests undrafted (see generate()).

@@ -123,11 +123,14 @@ class MoAVllmProposer:
         self._bound = False  # the KV caches are bound (after vLLM's profiling run)
         # Adaptive speculation (decoding/adaptive.py): acceptance prior, costs, chosen lengths.
         self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
-        self.lengths = AdaptiveLengths(self.num_speculative_tokens, StepCosts(), guard=DraftGuard())
+        self.lengths = AdaptiveLengths(
+            self.num_speculative_tokens, StepCosts(cold_phases=1), guard=DraftGuard()
+        )
         self._chosen_logged = time.monotonic()
         # The draft phase before the next verify: its seconds and the cost model's prediction
         # of them (0: none yet); see _propose_in_runner.
         self._last_phase: tuple[float, float] | None = None
+        self._phase_seen: tuple[int, int, int, float] | None = None  # (m, s, w, seconds), traces
         # The hot functions, compiled where vLLM compiles the target (compiled.py).
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
         self._page_rows: Callable[..., tuple[torch.Tensor, ...]] = page_rows
@@ -258,6 +261,12 @@ class MoAVllmProposer:
             "emitted": sum(len(t) for t in sampled_token_ids),
             "drafts": sum(len(d) for d in out),
             "model_ms": [1e3 * costs.base, 1e3 * costs.per_token, 1e3 * costs.draft_step],
+            # the draft phase's model c + d * m + e * s + r * w (ms), and this step's (m, s, w, s)
+            "draft_model_ms": [
+                1e3 * c
+                for c in (costs.draft_base, costs.draft_step, costs.draft_each, costs.draft_row)
+            ],
+            "phase": self._phase_seen,
             "vetoed": self.lengths.guard.vetoed,
         }
         with open(path, "a") as f:
@@ -269,6 +278,7 @@ class MoAVllmProposer:
     ) -> list[list[int]]:
         # The draft phase before this step's verify (seconds), if the step before chose lengths.
         self._last_phase, last_phase = None, self._last_phase
+        self._phase_seen = None
         batch = runner.input_batch
         req_ids: list[str] = list(batch.req_ids)
         for gone in set(self.states) - set(runner.requests):
@@ -344,6 +354,7 @@ class MoAVllmProposer:
             predicted = costs.draft_time(max(budgets), sum(budgets), written) if costs.known else 0
             self._last_phase = (done - began, predicted)
         costs.observe_draft(max(budgets), done - began, sum(budgets), written)
+        self._phase_seen = (max(budgets), sum(budgets), written, done - began)
         if self.adaptive and self.lengths.probes.probing:
             self.lengths.probes.spent(done - began)
         for row, budget, chain in zip(rows, budgets, chains, strict=True):
