@@ -51,8 +51,9 @@ def test_cost_model_recovers_a_linear_step_time():
 
 
 def test_a_cold_first_draft_phase_does_not_stop_drafting():
-    """A server's first draft phase ran at 4x its cost (measured in the load sweep): taken as
-    the model's whole draft cost it made the rule stop drafting, and the rule learns draft
+    """A server's first draft phase can run cold (in a load sweep the rule's log put a draft
+    step at about 4x its cost from the start): taken as the model's whole draft cost it made
+    the rule stop drafting for the whole run, and the rule learns draft
     costs only from phases it chooses (probes, one token, now and then). The serving engines
     skip one cold phase, and an early phase measured too slow weighs as one of the phases so
     far, so the next phase halves its error."""

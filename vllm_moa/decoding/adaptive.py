@@ -181,9 +181,9 @@ class StepCosts:
     forget: float = 0.05  # weight of each new observation in the running moments
     min_spread: float = 0.4  # std of n (of m, s, w) below which b (c and d, e, r) is not identified
     # Draft phases not observed at first: a server's first one runs cold (first calls of the
-    # compiled step, caches, pages of weights not yet touched). One such phase measured at 4x
-    # its cost made the rule stop drafting, and it learns draft costs only from the phases it
-    # chooses: the serving engines skip one.
+    # compiled step, caches, pages of weights not yet touched). In a load sweep one such phase
+    # (about 4x its cost, by the rule's log) made the rule stop drafting, and it learns draft
+    # costs only from the phases it chooses: the serving engines skip one.
     cold_phases: int = 0
     _w: float = 0.0
     _n: float = 0.0
