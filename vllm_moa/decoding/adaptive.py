@@ -54,6 +54,14 @@ from dataclasses import dataclass, field
 ADAPTIVE_ENV = "VLLM_MOA_ADAPTIVE"
 
 
+def running_weight(floor: float, count: float) -> float:
+    """The weight of the `count`-th observation (from 1) in an average that is the plain mean
+    of the observations so far until that weighs each new one less than `floor`, then an
+    exponential average over about 1 / floor of them: early observations neither dominate
+    (as a first one taken at weight 1 would) nor fade at once."""
+    return max(floor, 1.0 / count)
+
+
 def adaptive_enabled() -> bool:
     return os.environ.get(ADAPTIVE_ENV, "1") != "0"
 
@@ -83,7 +91,7 @@ def _update(est: AcceptancePrior | AcceptanceTracker, drafted: int, accepted: in
     for j in range(min(drafted, est.k_max)):
         if j > accepted:
             break  # not tested: drafts after the first rejection
-        w = max(est.weight, 1.0 / (est.seen[j] + est.pseudo + 1.0))
+        w = running_weight(est.weight, est.seen[j] + est.pseudo + 1.0)
         est.seen[j] += 1.0
         est.alpha[j] += w * ((1.0 if j < accepted else 0.0) - est.alpha[j])
 
@@ -258,7 +266,7 @@ class StepCosts:
         # The mean of the phases so far until it weighs each new one less than `forget`: the
         # rule drafts (and so measures) little while it believes drafting costly, so an early
         # phase measured too slow must not dominate the next few.
-        f = max(self.forget, 1.0 / seen)
+        f = running_weight(self.forget, seen)
         x = (1.0, float(steps), float(steps if drafts is None else drafts), float(rows))
         for i in range(4):
             self._xt[i] += f * (x[i] * seconds - self._xt[i])
@@ -550,7 +558,7 @@ class DraftGuard:
         if batch_bucket(batch) != key or predicted <= 0:
             return
         a = self.arms.setdefault(key, _Arms())
-        w = max(self.weight, 1.0 / (a.seen[arm] + 1))
+        w = running_weight(self.weight, a.seen[arm] + 1)
         a.seconds[arm] += w * (seconds - a.seconds[arm])
         a.predicted[arm] += w * (predicted - a.predicted[arm])
         a.tokens[arm] += w * (tokens - a.tokens[arm])
