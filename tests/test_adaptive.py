@@ -235,6 +235,67 @@ def test_tracker_learns_per_position_acceptance():
     assert never.seen[0] == pytest.approx(seen * 0.98**50)
 
 
+def test_positions_not_drafted_drift_back_towards_the_one_before():
+    """Untested by choice (the chain was shorter), an estimate drifts up towards its
+    predecessor's and its evidence ages; untested after a rejection, it stays."""
+    t = AcceptanceTracker(K)
+    t.alpha, t.seen = [0.8, 0.2, 0.1, 0.9], [10.0, 4.0, 4.0, 4.0]
+    t.observe(1, 1)  # one draft, accepted: positions 1..3 not drafted
+    assert t.alpha[1] == pytest.approx(0.2 + t.explore * (t.alpha[0] - 0.2))
+    assert t.alpha[2] == pytest.approx(0.1 + t.explore * (t.alpha[1] - 0.1))
+    assert t.alpha[3] == 0.9  # above the one before: left as it is
+    assert t.seen[1] == pytest.approx(4.0 * (1 - t.explore))
+    before = list(t.alpha)
+    t.observe(K, 0)  # rejected at once: the later positions were drafted but not tested
+    assert t.alpha[1:] == before[1:]
+    # The prior: once per engine step, the positions no request drafted since the last step.
+    lengths = AdaptiveLengths(K, costs())
+    prior = lengths.prior
+    prior.alpha = [0.8, 0.2, 0.2, 0.2]
+    a, b = lengths.tracker(), lengths.tracker()
+    a.observe(1, 1)
+    b.observe(3, 3)
+    measured = list(prior.alpha)
+    lengths.choose([a, b], [K, K])
+    assert prior.alpha[:3] == measured[:3]  # drafted by a request this step
+    assert prior.alpha[3] == pytest.approx(0.2 + prior.explore * (measured[2] - 0.2))
+    assert prior.deepest == 0
+
+
+def test_a_bad_start_does_not_keep_the_rule_at_one_draft():
+    """A request whose first four steps accept 1 draft of 4 (a hard stretch of text) and then
+    accepts each draft with probability 0.77, at batch-1 costs (verify 1 + 0.05 n, a draft
+    phase 0.07 + 0.18 per step): the rule used to stay at 1 draft a step for good (its estimate
+    of position 2 measured on four rejections, never tested again); it returns to 3-4 drafts
+    and to the fixed K's tokens per time."""
+    rng = random.Random(0)
+    c = StepCosts()
+    for n in (1, 5, 2, 3, 5):
+        c.observe_verify(n, 1.0 + 0.05 * n)
+    for m in (4, 2, 1, 3):
+        c.observe_draft(m, 0.07 + 0.18 * m)
+    lengths = AdaptiveLengths(K, c)
+    chosen, tokens, time = [], 0, 0.0
+    tracker = lengths.tracker()
+    for step in range(200):
+        if step % 25 == 0:
+            tracker = lengths.tracker()  # requests of about 64 tokens
+        k = lengths.choose([tracker], [K])[0]
+        if step < 4:
+            k, accepted = K, 1
+        else:
+            accepted = 0
+            while accepted < k and rng.random() < 0.77:
+                accepted += 1
+        tracker.observe(k, accepted)
+        chosen.append(k)
+        tokens += accepted + 1
+        time += 1 + 0.05 * (k + 1) + (0.07 + 0.18 * k if k else 0.0)
+    assert sum(chosen[50:]) / len(chosen[50:]) > 3.0
+    static = (1 + sum(0.77**i for i in range(1, K + 1))) / (1 + 0.05 * (K + 1) + 0.07 + 0.18 * K)
+    assert tokens / time > 0.95 * static
+
+
 def test_rule_drafts_the_budget_until_costs_are_known():
     trackers = [AcceptanceTracker(K) for _ in range(3)]
     assert choose_lengths(trackers, [4, 2, 0], StepCosts()) == [4, 2, 0]

@@ -12,7 +12,9 @@ Two online estimates feed one rule.
   row used to drop alpha[0] from 0.65 to 0.37 and the chain to 1-2 drafts where 3-4 paid
   (batch 1, trained pair: 0.9x the fixed K). A request's estimates drift back to the prior
   while it does not draft. The prior itself learns from every request's drafts the same way
-  (a mean of the first, then over about 50).
+  (a mean of the first, then over about 50). A position not drafted (by choice: the chain was
+  shorter) drifts up towards the position before, 5% a step, in the request's estimate and in
+  the prior, since the rule measures only what it drafts (`_explore`).
 - `StepCosts` (one per engine): the verify step's time as a + b * n for n tokens in it, and the
   draft phase's as c + d * m + e * s + r * w for m draft steps, s drafts in all and w history
   rows written (least squares over recent steps, exponentially forgotten; all requests draft
@@ -76,12 +78,20 @@ class AcceptancePrior:
     start: float = 0.8
     weight: float = 0.02  # of a new observation, in the long run (see `_update`)
     pseudo: float = 1.0  # the start counts as this many observations
+    explore: float = 0.05  # per engine step, the pull of positions no request drafted (`_explore`)
     alpha: list[float] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)  # observations per position (aged)
+    deepest: int = 0  # the most drafts a request verified since the last `step`
 
     def __post_init__(self) -> None:
         self.alpha = self.alpha or [self.start] * self.k_max
         self.seen = self.seen or [0.0] * self.k_max
+
+    def step(self) -> None:
+        """Once per engine step: the positions no request drafted since the last call drift
+        up towards the position before (`_explore`)."""
+        _explore(self, self.deepest, self.explore)
+        self.deepest = 0
 
 
 def _update(est: AcceptancePrior | AcceptanceTracker, drafted: int, accepted: int) -> None:
@@ -96,6 +106,22 @@ def _update(est: AcceptancePrior | AcceptanceTracker, drafted: int, accepted: in
         est.alpha[j] += w * ((1.0 if j < accepted else 0.0) - est.alpha[j])
 
 
+def _explore(est: AcceptancePrior | AcceptanceTracker, drafted: int, rate: float) -> None:
+    """Positions past the `drafted` ones (untested by choice, not after a rejection) whose
+    estimate is below the position before drift up towards it by `rate`, and their evidence
+    ages as they do. The rule only measures the positions it drafts: a few rejections in a
+    row (a hard stretch of text at the start) used to pin position 2's estimate low for good,
+    and the rule at 1 draft a step where 4 paid (batch 1, a well-trained pair: 0.88x the fixed
+    K). Conditional acceptance along a chain is about flat for a trained drafter, so a stale
+    estimate returns towards its predecessor's, is tried again, and is corrected by what the
+    try measures (its aged evidence weighs little against it)."""
+    for j in range(max(drafted, 1), est.k_max):
+        gap = est.alpha[j - 1] - est.alpha[j]
+        if gap > 0:
+            est.alpha[j] += rate * gap
+            est.seen[j] *= 1.0 - rate
+
+
 @dataclass
 class AcceptanceTracker:
     """Per-position conditional acceptance of one request's drafts (see the module docstring)."""
@@ -105,6 +131,7 @@ class AcceptanceTracker:
     weight: float = 0.1  # of a new observation, in the long run
     pseudo: float = 2.0  # the prior counts as this many of the request's own observations
     relax: float = 0.02  # per step without an observation, pull towards the prior
+    explore: float = 0.05  # per step with drafts, the pull of positions not drafted (`_explore`)
     alpha: list[float] = field(default_factory=list)
     seen: list[float] = field(default_factory=list)  # observations per position (aged)
     # Steps without drafts not yet folded into alpha, and the gains of the alpha as it stands:
@@ -129,7 +156,9 @@ class AcceptanceTracker:
         self.settle()
         self._gains = None
         _update(self, drafted, accepted)
+        _explore(self, drafted, self.explore)
         _update(self.prior, drafted, accepted)
+        self.prior.deepest = max(self.prior.deepest, drafted)
 
     def settle(self, every: int = 1) -> list[float]:
         """Fold the idle steps into alpha once there are `every` of them (each pulls `relax` of
@@ -606,6 +635,8 @@ class AdaptiveLengths:
         per tracker), the guard's batch-size class."""
         if not trackers:
             return []
+        assert self.prior is not None
+        self.prior.step()
         entry = None
         if catch_up is not None and remaining is not None and self.costs.known:
             entry = entry_costs(trackers, budgets, self.costs, catch_up, remaining)
