@@ -2,9 +2,8 @@
 
 Proved on the CPU with torch.compile(fullgraph=True), which fails on any graph break (a sync such
 as .item() or .tolist(), a shape that depends on data, an untraceable call). The paged stores are
-the PyTorch reference (`TorchPagedKV`, what GPU backends run today): vLLM's CPU ops have no fake
-kernels, and vLLM itself keeps attention outside its compiled graphs (piecewise graphs split at
-attention), as a captured draft step would. No vLLM needed.
+the PyTorch reference (`TorchPagedKV`, what GPU backends run today), so no vLLM is needed; with
+vLLM's CPU ops the step is one graph too (tests/vllm_integration/test_compiled_proposer.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.compiled import Compiled, compile_wanted
-from vllm_moa.vllm_plugin.paged_attention import CpuPagedKV
+from vllm_moa.vllm_plugin.paged_attention import CpuPagedKV, bind_stores
 from vllm_moa.vllm_plugin.proposer import page_rows, paged_draft_step, widen
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -39,7 +39,7 @@ def _stores(drafter: MoADrafter, seed: int) -> dict[str, CpuPagedKV]:
         ("memory", drafter.cross_attention.self_attn),
     ):
         cache = torch.zeros(BLOCKS, 1, BLOCK_SIZE, 128)
-        store = CpuPagedKV.for_pages(cache, attn.num_kv_heads, attn.head_dim, torch.float32)
+        store = CpuPagedKV.for_pages(cache, attn.num_kv_heads, attn.head_dim, torch.float32, name)
         slots = torch.arange(BLOCK_SIZE, BLOCKS * BLOCK_SIZE)
         k = torch.randn(slots.numel(), attn.num_kv_heads, attn.head_dim, generator=gen)
         store.write(k, torch.randn(k.shape, generator=gen), slots)
@@ -48,7 +48,7 @@ def _stores(drafter: MoADrafter, seed: int) -> dict[str, CpuPagedKV]:
 
 
 def _clone(stores: dict[str, CpuPagedKV]) -> dict[str, CpuPagedKV]:
-    return {name: CpuPagedKV(s.key.clone(), s.value.clone(), s.isa) for name, s in stores.items()}
+    return {n: CpuPagedKV(s.key.clone(), s.value.clone(), s.isa, n) for n, s in stores.items()}
 
 
 def _inputs(rows: int, width: int, seed: int) -> tuple[torch.Tensor, ...]:
@@ -95,7 +95,9 @@ def test_compiled_step_equals_eager_at_every_batch_size_without_recompiling():
     step = Compiled(paged_draft_step)
     for rows in (3, 1):  # as the proposer warms it up
         table, tokens, *rest = _inputs(rows, 2, 0)
-        step.warm(drafter, _stores(drafter, 0), table, BLOCK_SIZE, embed(tokens), *rest)
+        stand_in = _stores(drafter, 0)
+        bind_stores(stand_in)
+        step.warm(drafter, stand_in, table, BLOCK_SIZE, embed(tokens), *rest)
     for rows, width in [(1, 1), (2, 2), (5, 3), (8, 1), (4, 4)]:
         stores = _stores(drafter, rows)
         eager_stores = _clone(stores)
@@ -104,6 +106,7 @@ def test_compiled_step_equals_eager_at_every_batch_size_without_recompiling():
             drafter, eager_stores, table, BLOCK_SIZE, embed(tokens), positions, ends,
             memory_lens, has_memory,
         )  # fmt: skip
+        bind_stores(stores)  # as the proposer does before its compiled step
         with torch._dynamo.config.patch(error_on_recompile=True):  # a recompile fails the test
             got = step(
                 drafter, stores, widen(table, 2), BLOCK_SIZE, embed(tokens), positions, ends,
@@ -114,6 +117,30 @@ def test_compiled_step_equals_eager_at_every_batch_size_without_recompiling():
         for name in stores:  # the same rows written
             torch.testing.assert_close(stores[name].key, eager_stores[name].key)
             torch.testing.assert_close(stores[name].value, eager_stores[name].value)
+
+
+@torch.inference_mode()
+def test_the_step_compiles_as_one_graph_over_vllms_cpu_ops():
+    """vLLM's CPU attention ops run inside the project's custom ops (with fake kernels), so the
+    whole draft step is one graph: fullgraph=True fails on any graph break. Its SA write
+    lands before its attention reads (the token orders them), as in the eager step."""
+    drafter, embed, _ = _drafter()
+    stores = _stores(drafter, 2)
+    eager_stores = _clone(stores)
+    table, tokens, positions, ends, memory_lens, has_memory = _inputs(3, 2, 2)
+    torch._dynamo.reset()
+    step = torch.compile(paged_draft_step, fullgraph=True, dynamic=True)
+    bind_stores(stores)
+    got = step(
+        drafter, stores, table, BLOCK_SIZE, embed(tokens), positions, ends, memory_lens,
+        has_memory,
+    )  # fmt: skip
+    want = paged_draft_step(
+        drafter, eager_stores, table, BLOCK_SIZE, embed(tokens), positions, ends, memory_lens,
+        has_memory,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stores["sa"].key, eager_stores["sa"].key)
 
 
 @torch.inference_mode()

@@ -39,7 +39,7 @@ def test_cpu_ops_match_the_reference(target_heads, target_dim, heads, dim, query
     num_blocks, block_size = 12, 32
     shape = (num_blocks, target_heads, block_size, 2 * target_dim)
     cpu_cache, ref_cache = torch.zeros(shape), torch.zeros(shape)
-    cpu = CpuPagedKV.for_pages(cpu_cache, heads, dim, torch.float32)
+    cpu = CpuPagedKV.for_pages(cpu_cache, heads, dim, torch.float32, "pages")
     ref = TorchPagedKV(*page_views(ref_cache, heads, dim))
     _fill(cpu, num_blocks, block_size, torch.Generator().manual_seed(1))
     _fill(ref, num_blocks, block_size, torch.Generator().manual_seed(1))
@@ -58,7 +58,7 @@ def test_cpu_ops_match_the_reference(target_heads, target_dim, heads, dim, query
 
 def test_padding_slots_are_not_written():
     cache = torch.zeros(4, 2, 32, 128)
-    store = CpuPagedKV.for_pages(cache, 2, 64, torch.float32)
+    store = CpuPagedKV.for_pages(cache, 2, 64, torch.float32, "pages")
     k = torch.ones(3, 2, 64)
     store.write(k, k, torch.tensor([PADDING_SLOT, 5, PADDING_SLOT]))
     assert cache.count_nonzero() == 2 * 2 * 64  # one slot's K and V, both heads

@@ -173,38 +173,45 @@ class TritonPagedKV(TorchPagedKV):
 class CpuPagedKV:
     """vLLM's CPU_ATTN ops over key/value views [num_blocks, Hkv, block_size, D] (the views
     vLLM's CPU backend makes of a cache, or `page_views`); `isa` picks the in-block
-    arrangement (vLLM's choice for the target's layers; any consistent one for our pages)."""
+    arrangement (vLLM's choice for the target's layers; any consistent one for our pages).
 
-    def __init__(self, key: torch.Tensor, value: torch.Tensor, isa: str) -> None:
-        self.key, self.value, self.isa = key, value, isa
+    vLLM's CPU ops have no fake kernels, so a compiled caller cannot trace them. They run inside
+    the project's custom ops `vllm_moa::cpu_pages_write` / `cpu_pages_attend`, which have fake
+    kernels: a compiled draft step is one graph, not one per stretch between attention calls
+    (every graph entered costs its guards and wrappers at every draft step). The ops name their
+    store (`name`) instead of taking its cache views as arguments, as vLLM's own attention ops
+    name their layer: a cache passed in and written would be a mutated graph input, which
+    Inductor cannot compile with dynamic shapes. So a compiled caller `bind`s its stores first
+    (the stores of one name in a process take turns, e.g. two engines' proposers); a direct
+    call binds its own store. The write returns a token that the attention after it takes, so
+    the compiled graph keeps them in order."""
+
+    def __init__(self, key: torch.Tensor, value: torch.Tensor, isa: str, name: str) -> None:
+        self.key, self.value, self.isa, self.name = key, value, isa, name
         self.num_kv_heads, self.block_size, self.head_dim = key.shape[1:]
         self.scale = self.head_dim**-0.5
-        self._starts: torch.Tensor | None = None
+        self._written = key.new_empty(0)  # the last write's token (see above)
 
     @classmethod
     def for_pages(
-        cls, cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+        cls, cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype, name: str
     ) -> CpuPagedKV:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         key, value = page_views(cache, num_kv_heads, head_dim)
-        return cls(key, value, _get_attn_isa(dtype, cache.shape[2], head_dim, "auto"))
+        return cls(key, value, _get_attn_isa(dtype, cache.shape[2], head_dim, "auto"), name)
 
-    # vLLM's CPU ops have no fake kernels: compiled callers run them eagerly (a graph break).
-    @torch.compiler.disable
+    def bind(self) -> None:
+        """Make this store the one the ops act on under its name."""
+        _BOUND[self.name] = self
+
     def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        from vllm import _custom_ops as ops
-
-        ops.cpu_attn_reshape_and_cache(
-            k.to(self.key.dtype).contiguous(),
-            v.to(self.value.dtype).contiguous(),
-            self.key,
-            self.value,
-            slots,
-            self.isa,
+        if not torch.compiler.is_compiling():
+            self.bind()
+        self._written = torch.ops.vllm_moa.cpu_pages_write(
+            k.to(self.key.dtype).contiguous(), v.to(self.value.dtype).contiguous(), slots, self.name
         )
 
-    @torch.compiler.disable
     def attend(
         self,
         q: torch.Tensor,
@@ -212,52 +219,117 @@ class CpuPagedKV:
         seq_lens: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        from vllm import _custom_ops as ops
-
-        rows = q.shape[0]
-        if self._starts is None or self._starts.shape[0] != rows + 1:
-            self._starts = torch.arange(rows + 1, dtype=torch.int32, device=q.device)
+        if not torch.compiler.is_compiling():
+            self.bind()
         window_size = window if window is not None and window > 0 else -1
         query = q.to(self.key.dtype).contiguous()
-        metadata = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=rows,
-            num_heads=query.shape[1],
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            seq_lens=seq_lens,
-            dtype=query.dtype,
-            query_start_loc=self._starts,
-            causal=True,
-            sliding_window_size=window_size,
-            isa=self.isa,
-            enable_kv_split=False,
-        )
-        out = torch.empty_like(query)
-        ops.cpu_attention_with_kv_cache(
-            query=query,
-            key_cache=self.key,
-            value_cache=self.value,
-            output=out,
-            query_start_loc=self._starts,
-            seq_lens=seq_lens,
-            scale=self.scale,
-            causal=True,
-            alibi_slopes=None,
-            sliding_window=window_size,
-            block_table=block_table,
-            softcap=0.0,
-            scheduler_metadata=metadata,
-            s_aux=None,
+        out = torch.ops.vllm_moa.cpu_pages_attend(
+            query, block_table, seq_lens, window_size, self.name, self._written
         )
         return out.to(q.dtype)
 
 
+_BOUND: dict[str, CpuPagedKV] = {}  # the store each name stands for now (`CpuPagedKV.bind`)
+
+
+@torch.library.custom_op("vllm_moa::cpu_pages_write", mutates_args=())
+def _cpu_pages_write(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, name: str
+) -> torch.Tensor:
+    """k, v [N, Hkv, D] into the bound store `name` at `slots` (vLLM's cache write); returns
+    an empty token for the attention that must come after."""
+    from vllm import _custom_ops as ops
+
+    store = _BOUND[name]
+    ops.cpu_attn_reshape_and_cache(k, v, store.key, store.value, slots, store.isa)
+    return k.new_empty(0)
+
+
+@_cpu_pages_write.register_fake
+def _write_fake(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
+    return k.new_empty(0)
+
+
+@torch.library.custom_op("vllm_moa::cpu_pages_attend", mutates_args=())
+def _cpu_pages_attend(
+    query: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int,
+    name: str,
+    after: torch.Tensor,
+) -> torch.Tensor:
+    """Decode attention [B, H, D] of one query per request over its pages in the bound store
+    `name` (vLLM's op); `after`: the token of a write it must follow."""
+    from vllm import _custom_ops as ops
+
+    store = _BOUND[name]
+    rows = query.shape[0]
+    starts = torch.arange(rows + 1, dtype=torch.int32, device=query.device)
+    metadata = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=rows,
+        num_heads=query.shape[1],
+        num_kv_heads=store.num_kv_heads,
+        head_dim=store.head_dim,
+        seq_lens=seq_lens,
+        dtype=query.dtype,
+        query_start_loc=starts,
+        causal=True,
+        sliding_window_size=window,
+        isa=store.isa,
+        enable_kv_split=False,
+    )
+    out = torch.empty_like(query)
+    ops.cpu_attention_with_kv_cache(
+        query=query,
+        key_cache=store.key,
+        value_cache=store.value,
+        output=out,
+        query_start_loc=starts,
+        seq_lens=seq_lens,
+        scale=store.scale,
+        causal=True,
+        alibi_slopes=None,
+        sliding_window=window,
+        block_table=block_table,
+        softcap=0.0,
+        scheduler_metadata=metadata,
+        s_aux=None,
+    )
+    return out
+
+
+@_cpu_pages_attend.register_fake
+def _attend_fake(
+    query: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int,
+    name: str,
+    after: torch.Tensor,
+) -> torch.Tensor:
+    return torch.empty_like(query)
+
+
+def bind_stores(stores: dict[str, PagedKV]) -> None:
+    """Bind the stores a compiled step is about to use (`CpuPagedKV.bind`; others need none)."""
+    for store in stores.values():
+        if isinstance(store, CpuPagedKV):
+            store.bind()
+
+
 def pages_kv(
-    cache: torch.Tensor, num_kv_heads: int, head_dim: int, dtype: torch.dtype, backend: str
+    cache: torch.Tensor,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    backend: str,
+    name: str = "pages",
 ) -> PagedKV:
-    """A store in one of the drafter's page layers, for the layer's attention backend."""
+    """A store in one of the drafter's page layers, for the layer's attention backend; `name`
+    tells a proposer's stores apart (`CpuPagedKV`)."""
     if backend == "CPU_ATTN":
-        return CpuPagedKV.for_pages(cache, num_kv_heads, head_dim, dtype)
+        return CpuPagedKV.for_pages(cache, num_kv_heads, head_dim, dtype, name)
     from vllm_moa.model.layers import use_kernels
 
     store = TritonPagedKV if use_kernels(cache.device) else TorchPagedKV

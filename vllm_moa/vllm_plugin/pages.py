@@ -70,7 +70,7 @@ class DrafterPages:
     def store(self, name: str, dtype: torch.dtype, backend: str) -> PagedKV:
         """Field `name`'s K/V store in its (bound) page layer."""
         heads, size = self.fields[name]
-        return pages_kv(self.layers[name].kv_cache, heads, size, dtype, backend)
+        return pages_kv(self.layers[name].kv_cache, heads, size, dtype, backend, name)
 
     def stand_in(
         self, name: str, dtype: torch.dtype, backend: str, blocks: int, block_size: int
@@ -80,4 +80,4 @@ class DrafterPages:
         heads, size = self.fields[name]
         like = self.layers[name]
         cache = torch.zeros(blocks, like.num_kv_heads, block_size, 2 * like.head_size, dtype=dtype)
-        return pages_kv(cache, heads, size, dtype, backend)
+        return pages_kv(cache, heads, size, dtype, backend, name)

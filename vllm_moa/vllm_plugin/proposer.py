@@ -62,7 +62,7 @@ from vllm_moa.vllm_plugin.kv_reader import (
     gather_layer_kv,
     slots_for_positions,
 )
-from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV
+from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV, bind_stores
 from vllm_moa.vllm_plugin.pages import DrafterPages
 from vllm_moa.vllm_plugin.patches import LOGGER_NAME
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
@@ -202,6 +202,7 @@ class MoAVllmProposer:
         }
         device, shape = self.device, target.shape
         step, rows = Compiled(paged_draft_step), Compiled(page_rows)
+        bind_stores(stores)
         for n in (3, 1):
             positions = torch.arange(5, 5 + 7 * n, 7, device=device)
             table = torch.arange(2, 2 + 2 * n, dtype=torch.int32, device=device).view(n, 2)
@@ -588,6 +589,7 @@ class MoAVllmProposer:
         tokens = upload([p[-1] for p in pending], self.device)
 
         wide = widen(table, 2)  # a width of 1 would compile graphs of its own (compiled.py)
+        bind_stores(stores)  # the pages the compiled step's attention ops act on
         drafted: list[torch.Tensor] = []
         for step in range(max(budgets)):
             # The embedding runs outside the compiled step: with tensor parallelism it is an
