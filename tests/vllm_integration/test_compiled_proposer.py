@@ -29,16 +29,18 @@ def _drafter() -> tuple[MoADrafter, nn.Embedding, TargetShape]:
     return drafter.eval(), embed, shape
 
 
-def _stores(drafter: MoADrafter, seed: int) -> dict[str, CpuPagedKV]:
+def _stores(drafter: MoADrafter, seed: int, inference: bool = True) -> dict[str, CpuPagedKV]:
     """SA and memory stores over page layers shaped like the target's (1 KV head of 64),
-    filled with random rows."""
+    filled with random rows; `inference=False`: caches made outside inference mode, as vLLM
+    binds its caches (the proposer's stand-ins are made inside it)."""
     gen = torch.Generator().manual_seed(seed)
     stores = {}
     for name, attn in (
         ("sa", drafter.self_attention.self_attn),
         ("memory", drafter.cross_attention.self_attn),
     ):
-        cache = torch.zeros(BLOCKS, 1, BLOCK_SIZE, 128)
+        with torch.inference_mode(inference):
+            cache = torch.zeros(BLOCKS, 1, BLOCK_SIZE, 128)
         store = CpuPagedKV.for_pages(cache, attn.num_kv_heads, attn.head_dim, torch.float32, name)
         slots = torch.arange(BLOCK_SIZE, BLOCKS * BLOCK_SIZE)
         k = torch.randn(slots.numel(), attn.num_kv_heads, attn.head_dim, generator=gen)
@@ -99,7 +101,7 @@ def test_compiled_step_equals_eager_at_every_batch_size_without_recompiling():
         bind_stores(stand_in)
         step.warm(drafter, stand_in, table, BLOCK_SIZE, embed(tokens), *rest)
     for rows, width in [(1, 1), (2, 2), (5, 3), (8, 1), (4, 4)]:
-        stores = _stores(drafter, rows)
+        stores = _stores(drafter, rows, inference=False)
         eager_stores = _clone(stores)
         table, tokens, positions, ends, memory_lens, has_memory = _inputs(rows, width, rows)
         want = paged_draft_step(

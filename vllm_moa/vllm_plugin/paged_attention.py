@@ -39,9 +39,10 @@ class PagedKV(Protocol):
     num_kv_heads: int
     head_dim: int
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
         """k, v [N, num_kv_heads, head_dim] at slots [N] (PADDING_SLOT: no request's slot is
-        written; an implementation may write vLLM's null block instead)."""
+        written; an implementation may write vLLM's null block instead). May return a token
+        that an `attend` reading these rows takes as `after` (keeps a compiled graph's order)."""
 
     def attend(
         self,
@@ -49,6 +50,7 @@ class PagedKV(Protocol):
         block_table: torch.Tensor,  # int32 [B, n]
         seq_lens: torch.Tensor,  # int32 [B], each >= 1
         window: int | None = None,  # sliding window (keys within the last `window` positions)
+        after: torch.Tensor | None = None,  # the token of a `write` this must follow
     ) -> torch.Tensor:
         """Softmax attention (scale head_dim ** -0.5): [B, H, D]."""
         ...
@@ -94,13 +96,14 @@ class TorchPagedKV:
         self.key, self.value = key, value
         self.num_kv_heads, self.block_size, self.head_dim = key.shape[1:]
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
         # Padding slots go to slot 0, in vLLM's null block (block 0, never given to a request):
         # no data-dependent shapes, so a CUDA graph can capture the write.
         slots = slots.clamp(min=0)
         blocks, offsets = slots // self.block_size, slots % self.block_size
         self.key[blocks, :, offsets] = k.to(self.key.dtype)
         self.value[blocks, :, offsets] = v.to(self.value.dtype)
+        return None  # in-place PyTorch ops: a graph keeps their order itself
 
     def attend(
         self,
@@ -108,6 +111,7 @@ class TorchPagedKV:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         window: int | None = None,
+        after: torch.Tensor | None = None,
     ) -> torch.Tensor:
         table = block_table.long()
         rows, n = table.shape
@@ -148,6 +152,7 @@ class TritonPagedKV(TorchPagedKV):
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         window: int | None = None,
+        after: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if window is not None and window > 0:
             return super().attend(q, block_table, seq_lens, window)
@@ -184,13 +189,15 @@ class CpuPagedKV:
     Inductor cannot compile with dynamic shapes. So a compiled caller `bind`s its stores first
     (the stores of one name in a process take turns, e.g. two engines' proposers); a direct
     call binds its own store. The write returns a token that the attention after it takes, so
-    the compiled graph keeps them in order."""
+    the compiled graph keeps them in order. Traced code reads none of the store's tensors (only
+    its name and dtype), so stores over other buffers reuse the graph: a stand-in made under
+    inference mode and vLLM's cache differ in dispatch keys, which a guard would see."""
 
     def __init__(self, key: torch.Tensor, value: torch.Tensor, isa: str, name: str) -> None:
         self.key, self.value, self.isa, self.name = key, value, isa, name
         self.num_kv_heads, self.block_size, self.head_dim = key.shape[1:]
         self.scale = self.head_dim**-0.5
-        self._written = key.new_empty(0)  # the last write's token (see above)
+        self.dtype = key.dtype
 
     @classmethod
     def for_pages(
@@ -205,12 +212,13 @@ class CpuPagedKV:
         """Make this store the one the ops act on under its name."""
         _BOUND[self.name] = self
 
-    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    def write(self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             self.bind()
-        self._written = torch.ops.vllm_moa.cpu_pages_write(
-            k.to(self.key.dtype).contiguous(), v.to(self.value.dtype).contiguous(), slots, self.name
+        token: torch.Tensor = torch.ops.vllm_moa.cpu_pages_write(
+            k.to(self.dtype).contiguous(), v.to(self.dtype).contiguous(), slots, self.name
         )
+        return token
 
     def attend(
         self,
@@ -218,13 +226,15 @@ class CpuPagedKV:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         window: int | None = None,
+        after: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             self.bind()
         window_size = window if window is not None and window > 0 else -1
-        query = q.to(self.key.dtype).contiguous()
+        query = q.to(self.dtype).contiguous()
+        token = after if after is not None else query.new_empty(0)
         out = torch.ops.vllm_moa.cpu_pages_attend(
-            query, block_table, seq_lens, window_size, self.name, self._written
+            query, block_table, seq_lens, window_size, self.name, token
         )
         return out.to(q.dtype)
 

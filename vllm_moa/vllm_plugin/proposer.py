@@ -722,8 +722,8 @@ def paged_draft_step(
         q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None
     ) -> torch.Tensor:
         assert k is not None and v is not None
-        stores["sa"].write(k, v, slots)  # the step's own K/V first: it sees itself
-        return stores["sa"].attend(q, table, lens)
+        written = stores["sa"].write(k, v, slots)  # the step's own K/V first: it sees itself
+        return stores["sa"].attend(q, table, lens, after=written)
 
     def cross_attend(q: torch.Tensor, *_: torch.Tensor | None) -> torch.Tensor:
         return stores["memory"].attend(q, table, memory_lens) * has_memory
