@@ -351,9 +351,39 @@ def _testbed(runs: list[dict[str, Any]]) -> Iterator[list[Any]]:
                "1" if method == "eagle" else " / ".join(ratios)]  # fmt: skip
 
 
+_ARM_NAMES = {
+    "moa_k4": "MoA, K=4",
+    "moa_k4_adaptive": "MoA, adaptive up to K=4 (default)",
+    "eagle_k4": "vLLM EAGLE, K=4",
+    "ngram_k4": "vLLM ngram, K=4",
+}
+
+
+def _throughput_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
+    """One row per batch size, one column per method: speed-up over plain (ratio of the
+    medians) and tau."""
+    rows = data["results"]
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
+    yield ["batch", "plain tok/s", *(_ARM_NAMES.get(m, m) for m in methods)]
+    for batch in sorted({r["batch_size"] for r in rows}):
+        at = {r["method"]: r for r in rows if r["batch_size"] == batch}
+        cells = []
+        for m in methods:
+            r = at.get(m)
+            tau = f", tau {r['tau']:.2f}" if r is not None and "tau" in r else ""
+            cells.append("" if r is None else f"{r['speedup_vs_plain']:.2f}x{tau}")
+        yield [batch, f"{at['plain']['output_tokens_per_s']:.1f}", *cells]
+
+
+def _compact(data: dict[str, Any]) -> Iterator[list[Any]]:
+    if data.get("benchmark") == "throughput":
+        return _throughput_compact(data)
+    return _serve_sweep_compact(data)
+
+
 # Layouts a marker may name after the results file (`<!-- results-table: NAME LAYOUT -->`).
 LAYOUTS: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
-    "compact": _serve_sweep_compact,
+    "compact": _compact,
 }
 
 TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
