@@ -198,6 +198,13 @@ class CpuPagedKV:
         self.num_kv_heads, self.block_size, self.head_dim = key.shape[1:]
         self.scale = self.head_dim**-0.5
         self.dtype = key.dtype
+        self._starts: torch.Tensor | None = None
+
+    def starts(self, rows: int, device: torch.device) -> torch.Tensor:
+        """Query start offsets 0..rows (one query per request), kept between calls."""
+        if self._starts is None or self._starts.shape[0] != rows + 1:
+            self._starts = torch.arange(rows + 1, dtype=torch.int32, device=device)
+        return self._starts
 
     @classmethod
     def for_pages(
@@ -255,9 +262,7 @@ def _cpu_pages_write(
     return k.new_empty(0)
 
 
-@_cpu_pages_write.register_fake
-def _write_fake(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, name: str) -> torch.Tensor:
-    return k.new_empty(0)
+_cpu_pages_write.register_fake(lambda k, *_: k.new_empty(0))
 
 
 @torch.library.custom_op("vllm_moa::cpu_pages_attend", mutates_args=())
@@ -275,7 +280,7 @@ def _cpu_pages_attend(
 
     store = _BOUND[name]
     rows = query.shape[0]
-    starts = torch.arange(rows + 1, dtype=torch.int32, device=query.device)
+    starts = store.starts(rows, query.device)
     metadata = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=rows,
         num_heads=query.shape[1],
@@ -309,16 +314,7 @@ def _cpu_pages_attend(
     return out
 
 
-@_cpu_pages_attend.register_fake
-def _attend_fake(
-    query: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    window: int,
-    name: str,
-    after: torch.Tensor,
-) -> torch.Tensor:
-    return torch.empty_like(query)
+_cpu_pages_attend.register_fake(lambda query, *_: torch.empty_like(query))
 
 
 def bind_stores(stores: dict[str, PagedKV]) -> None:
