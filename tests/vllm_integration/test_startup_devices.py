@@ -20,8 +20,8 @@ from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.drafting import page_rows, paged_draft_step, warm_up
-from vllm_moa.vllm_plugin.pages import DrafterPages
 from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV
+from vllm_moa.vllm_plugin.pages import DrafterPages
 
 pytestmark = [pytest.mark.vllm]
 

@@ -62,7 +62,8 @@ class MoASpeculator(DraftModelSpeculator):
         scheduler = vllm_config.scheduler_config
         self.max_num_reqs = int(scheduler.max_num_seqs)
         self.max_num_tokens = int(scheduler.max_num_batched_tokens)
-        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        # Not `max_model_len`: vLLM 0.33's DraftModelSpeculator has a read-only property of it.
+        self.model_len = int(vllm_config.model_config.max_model_len)
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size > 1:
             raise ValueError("MoA speculative decoding does not support pipeline parallelism")
@@ -157,7 +158,7 @@ class MoASpeculator(DraftModelSpeculator):
             return drafts
         rows, inputs = step_views(
             core, input_batch, slot_mappings, num_sampled, num_rejected, last_sampled,
-            self.block_tables.input_block_tables, steps, self.max_model_len,
+            self.block_tables.input_block_tables, steps, self.model_len,
         )  # fmt: skip
         core.write_rows(rows)
         drafts[:, :steps] = core.draft(inputs)

@@ -1,10 +1,11 @@
 """The vLLM internals the plugin relies on, as found in vLLM 0.32.0's source.
 
-vllm_moa patches and reads vLLM's own code (patches.py, proposer.py and the modules they use), so
-a new vLLM release can break it without any import failing. `SYMBOLS` lists every vLLM module,
-class, function, method, property, dataclass field and attribute the package imports, calls,
-patches (assigns), subclasses or reads, with the file that defines it; a test checks a release's
-source for them (parsing the files, not importing vLLM). Nothing here imports vLLM.
+vllm_moa patches and reads vLLM's own code (patches.py, proposer.py, speculator.py and the
+modules they use), so a new vLLM release can break it without any import failing. `SYMBOLS` lists
+every vLLM module, class, function, method, property, dataclass field and attribute the package
+imports, calls, patches (assigns), subclasses or reads, with the file that defines it; a test
+checks a release's source for them (parsing the files, not importing vLLM). Nothing here imports
+vLLM.
 
 Each `Symbol`:
 - `path`: the defining file, relative to site-packages (`vllm/v1/worker/gpu_model_runner.py`).
@@ -13,6 +14,7 @@ Each `Symbol`:
 - `kind`: `module`, `class`, `function`, `method`, `staticmethod`, `classmethod`, `property`,
   `dataclass-field` (a field declared in a (pydantic) dataclass body), `instance-attribute`
   (assigned on instances at runtime, `self.x = ...`; in `__init__` unless a comment says where),
+  `class-attribute` (assigned in the body of a class that is not a dataclass),
   `module-attribute`, `enum-member`, or `re-export` (a name imported into a package's
   `__init__.py` from where it is defined, which our import path needs).
 - `params`: the parameter names exactly as in the `def` (with `self`, `*args` / `**kwargs`
@@ -118,10 +120,8 @@ SYMBOLS: tuple[Symbol, ...] = (
     Symbol("vllm/_version.py", "__version__", "module-attribute", used_by="patches"),
     # -- vllm/config ----------------------------------------------------------------------------
     Symbol("vllm/config/__init__.py", "set_current_vllm_config", "re-export", used_by="pages"),
-    Symbol("vllm/config/cache.py", "CacheConfig.block_size", "dataclass-field", used_by="proposer"),
-    Symbol(
-        "vllm/config/cache.py", "CacheConfig.cache_dtype", "dataclass-field", used_by="proposer"
-    ),
+    Symbol("vllm/config/cache.py", "CacheConfig.block_size", "dataclass-field", used_by="loading"),
+    Symbol("vllm/config/cache.py", "CacheConfig.cache_dtype", "dataclass-field", used_by="loading"),
     Symbol(
         "vllm/config/compilation.py",
         "CompilationConfig.mode",
@@ -130,7 +130,9 @@ SYMBOLS: tuple[Symbol, ...] = (
     ),
     # compiled.py reads `int(mode) != 0` as "vLLM compiles the target".
     Symbol("vllm/config/compilation.py", "CompilationMode.NONE", "enum-member", used_by="compiled"),
-    Symbol("vllm/config/model.py", "ModelConfig.dtype", "dataclass-field", used_by="proposer"),
+    Symbol(
+        "vllm/config/model.py", "ModelConfig.dtype", "dataclass-field", used_by="drafting, loading"
+    ),
     Symbol(
         "vllm/config/model.py", "ModelConfig.enforce_eager", "dataclass-field", used_by="compiled"
     ),
@@ -139,25 +141,60 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/config/model.py",
         "ModelConfig.hf_text_config",
         "dataclass-field",
-        used_by="patches: 2, proposer",
+        used_by="patches: 2, loading",
     ),
     Symbol(
-        "vllm/config/model.py", "ModelConfig.max_model_len", "dataclass-field", used_by="proposer"
+        "vllm/config/model.py",
+        "ModelConfig.max_model_len",
+        "dataclass-field",
+        used_by="proposer, speculator",
     ),
-    Symbol("vllm/config/model.py", "ModelConfig.use_mla", "property", used_by="proposer"),
+    Symbol("vllm/config/model.py", "ModelConfig.use_mla", "property", used_by="loading"),
+    Symbol(
+        "vllm/config/parallel.py",
+        "ParallelConfig.data_parallel_rank",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/config/parallel.py",
+        "ParallelConfig.data_parallel_size",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/config/parallel.py",
+        "ParallelConfig.decode_context_parallel_size",
+        "dataclass-field",
+        used_by="speculator",
+    ),
     Symbol(
         "vllm/config/parallel.py",
         "ParallelConfig.pipeline_parallel_size",
         "dataclass-field",
-        used_by="patches: 2, proposer",
+        used_by="patches: 2, proposer, speculator",
     ),
     Symbol(
         "vllm/config/parallel.py",
         "ParallelConfig.tensor_parallel_size",
         "dataclass-field",
-        used_by="patches: 2, proposer",
+        used_by="patches: 2, proposer, speculator",
+    ),
+    Symbol(
+        "vllm/config/scheduler.py",
+        "SchedulerConfig.max_num_batched_tokens",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/config/scheduler.py",
+        "SchedulerConfig.max_num_seqs",
+        "dataclass-field",
+        used_by="speculator",
     ),
     Symbol("vllm/config/speculative.py", "<module>", "module", used_by="patches: 1"),
+    # A Literal of method names (vllm.py imports it): patch 3 reads its args and adds "moa".
+    Symbol("vllm/config/speculative.py", "NgramGPUTypes", "module-attribute", used_by="patches: 3"),
     # Patch 1 extends its __dataclass_fields__ / __annotations__ and rebuilds it (pydantic).
     Symbol("vllm/config/speculative.py", "SpeculativeConfig", "class", used_by="patches: 1, 2"),
     Symbol(
@@ -180,19 +217,19 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/config/speculative.py",
         "SpeculativeConfig.method",
         "dataclass-field",
-        used_by="patches: 1, 2, 4",
+        used_by="patches: 1, 2, 3, 4, speculator",
     ),
     Symbol(
         "vllm/config/speculative.py",
         "SpeculativeConfig.model",
         "dataclass-field",
-        used_by="patches: 2, 4, proposer",
+        used_by="patches: 2, 4, loading",
     ),
     Symbol(
         "vllm/config/speculative.py",
         "SpeculativeConfig.num_speculative_tokens",
         "dataclass-field",
-        used_by="patches: 2, 5, proposer",
+        used_by="patches: 2, 5, loading, proposer, speculator",
     ),
     Symbol(
         "vllm/config/speculative.py",
@@ -219,19 +256,28 @@ SYMBOLS: tuple[Symbol, ...] = (
         "module-attribute",
         used_by="indirect: patches: 1, 2, 4 ('custom_class')",
     ),
+    Symbol("vllm/config/vllm.py", "<module>", "module", used_by="patches: 3"),
+    # Imported from .speculative; __post_init__'s async-scheduling decision reads the module
+    # global, which patch 3 replaces (a Literal with "moa" added) while it runs.
+    Symbol("vllm/config/vllm.py", "NgramGPUTypes", "module-attribute", used_by="patches: 3"),
     Symbol("vllm/config/vllm.py", "VllmConfig", "class", used_by="patches: 3, 5"),
+    # Wrapped (same parameters): decides async scheduling, see NgramGPUTypes.
+    Symbol(
+        "vllm/config/vllm.py", "VllmConfig.__post_init__", "method", ("self",), used_by="patches: 3"
+    ),
+    # No longer patched (MoA runs on the V2 runner): a test checks MoA is not listed in it.
     Symbol(
         "vllm/config/vllm.py",
         "VllmConfig._get_v2_model_runner_unsupported_features",
         "method",
         ("self",),
-        used_by="patches: 3",
+        used_by="tests (vllm_integration/test_vllm_plugin.py)",
     ),
     Symbol(
         "vllm/config/vllm.py",
         "VllmConfig.cache_config",
         "dataclass-field",
-        used_by="pages, proposer",
+        used_by="loading, pages",
     ),
     Symbol(
         "vllm/config/vllm.py",
@@ -243,7 +289,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/config/vllm.py",
         "VllmConfig.model_config",
         "dataclass-field",
-        used_by="compiled, proposer",
+        used_by="compiled, drafting, loading, proposer, speculator",
     ),
     # Read through VllmConfig.__dict__ (must be a property there) and replaced by one.
     Symbol(
@@ -258,13 +304,26 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/config/vllm.py", "VllmConfig.num_lookahead_tokens", "property", used_by="patches: 5"
     ),
     Symbol(
-        "vllm/config/vllm.py", "VllmConfig.parallel_config", "dataclass-field", used_by="proposer"
+        "vllm/config/vllm.py",
+        "VllmConfig.parallel_config",
+        "dataclass-field",
+        used_by="proposer, speculator",
+    ),
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig.scheduler_config",
+        "dataclass-field",
+        used_by="speculator",
     ),
     Symbol(
         "vllm/config/vllm.py",
         "VllmConfig.speculative_config",
         "dataclass-field",
-        used_by="patches: 3, 4, 5, proposer",
+        used_by="patches: 3, 4, 5, loading, proposer, speculator",
+    ),
+    # vLLM's choice of model runner, made from the config (patch 3 asks it early).
+    Symbol(
+        "vllm/config/vllm.py", "VllmConfig.use_v2_model_runner", "property", used_by="patches: 3"
     ),
     Symbol(
         "vllm/config/vllm.py",
@@ -350,7 +409,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/model_executor/layers/attention/attention.py",
         "Attention.attn_backend",
         "instance-attribute",
-        used_by="pages, proposer",
+        used_by="drafting, loading, pages",
     ),
     Symbol(
         "vllm/model_executor/layers/attention/attention.py",
@@ -363,7 +422,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/model_executor/layers/attention/attention.py",
         "Attention.kv_cache",
         "instance-attribute",
-        used_by="pages, proposer",
+        used_by="drafting, pages",
     ),
     Symbol(
         "vllm/model_executor/layers/attention/attention.py",
@@ -493,75 +552,75 @@ SYMBOLS: tuple[Symbol, ...] = (
         "AttentionBackend.get_name",
         "staticmethod",
         (),
-        used_by="proposer",
+        used_by="drafting, loading",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "AttentionMetadataBuilder.build",
         "method",
         ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-        used_by="proposer",
+        used_by="drafting",
     ),
-    Symbol("vllm/v1/attention/backend.py", "CommonAttentionMetadata", "class", used_by="proposer"),
+    Symbol("vllm/v1/attention/backend.py", "CommonAttentionMetadata", "class", used_by="drafting"),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.block_table_tensor",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.max_query_len",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.max_seq_len",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.num_actual_tokens",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.num_reqs",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.positions",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.query_start_loc",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.query_start_loc_cpu",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.seq_lens",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backend.py",
         "CommonAttentionMetadata.slot_mapping",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     # Assigned on the target's Attention layers (`layer.isa = self.isa`) by
     # CPUAttentionMetadataBuilder._set_isa_to_layers, not in Attention.__init__.
@@ -569,22 +628,22 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/attention/backends/cpu_attn.py",
         "Attention.isa",
         "instance-attribute",
-        used_by="proposer",
+        used_by="drafting",
     ),
-    # Returns "CPU_ATTN" (kv_reader.BLOCK_SPLIT_BACKENDS; proposer and pages_kv branch on it).
+    # Returns "CPU_ATTN" (kv_reader.BLOCK_SPLIT_BACKENDS; drafting and pages_kv branch on it).
     Symbol(
         "vllm/v1/attention/backends/cpu_attn.py",
         "CPUAttentionBackend.get_name",
         "staticmethod",
         (),
-        used_by="kv_reader, paged_attention, proposer",
+        used_by="drafting, kv_reader, paged_attention",
     ),
     Symbol(
         "vllm/v1/attention/backends/cpu_attn.py",
         "CPUAttentionMetadataBuilder.build",
         "method",
         ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/attention/backends/cpu_attn.py",
@@ -606,7 +665,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "FlashAttentionMetadataBuilder.build",
         "method",
         ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-        used_by="proposer",
+        used_by="drafting",
     ),
     # Returns "FLEX_ATTENTION" (kv_reader.CHANNEL_SPLIT_BACKENDS).
     Symbol(
@@ -621,7 +680,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "FlexAttentionMetadataBuilder.build",
         "method",
         ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-        used_by="proposer",
+        used_by="drafting",
     ),
     # Returns "TRITON_ATTN" (kv_reader.CHANNEL_SPLIT_BACKENDS).
     Symbol(
@@ -636,7 +695,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "TritonAttentionMetadataBuilder.build",
         "method",
         ("self", "common_prefix_len", "common_attn_metadata", "fast_build"),
-        used_by="proposer",
+        used_by="drafting",
     ),
     # -- vllm/v1/core, vllm/v1/kv_cache_interface.py --------------------------------------------
     Symbol(
@@ -661,25 +720,25 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/kv_cache_interface.py",
         "KVCacheConfig.kv_cache_groups",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/kv_cache_interface.py",
         "KVCacheGroupSpec.kv_cache_spec",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/kv_cache_interface.py",
         "KVCacheGroupSpec.layer_names",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/kv_cache_interface.py",
         "KVCacheSpec.block_size",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     # -- vllm/v1/sample, vllm/v1/spec_decode ----------------------------------------------------
     Symbol("vllm/v1/sample/ops/topk_topp_sampler.py", "<module>", "module", used_by="patches: 6b"),
@@ -991,13 +1050,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         "AttentionGroup.get_metadata_builder",
         "method",
         ("self", "ubatch_id"),
-        used_by="proposer",
+        used_by="drafting",
     ),
     Symbol(
         "vllm/v1/worker/utils.py",
         "AttentionGroup.layer_names",
         "dataclass-field",
-        used_by="proposer",
+        used_by="drafting",
     ),
     # Loads general plugins (our register()) before register_triton_kernel_overrides.
     Symbol(
@@ -1005,5 +1064,387 @@ SYMBOLS: tuple[Symbol, ...] = (
         "WorkerWrapperBase.init_worker",
         "method",
         used_by="indirect: patches: 6a",
+    ),
+    # -- vllm/v1/worker/gpu: the V2 model runner (speculator.py, patches: 3) --------------------
+    # Per KV-cache group: int32 [max_num_reqs, n] block tables of the step's batch rows.
+    Symbol(
+        "vllm/v1/worker/gpu/block_table.py",
+        "BlockTables.input_block_tables",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/buffer_utils.py",
+        "StagedWriteTensor.gpu",
+        "instance-attribute",
+        used_by="speculator (tracing)",
+    ),
+    # The V2 runner's InputBatch (a dataclass), as step_views reads it.
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.idx_mapping",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.input_ids",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.num_reqs",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.num_tokens",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.positions",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.seq_lens",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.seq_lens_cpu_upper_bound",
+        "dataclass-field",
+        used_by="speculator",
+    ),
+    Symbol("vllm/v1/worker/gpu/model_runner.py", "<module>", "module", used_by="patches: 3"),
+    # Calls set_attn(model_state, kv_cache_config, block_tables, input_buffers,
+    # attn_groups) on a DraftModelSpeculator, then init_cudagraph_manager.
+    Symbol(
+        "vllm/v1/worker/gpu/model_runner.py",
+        "GPUModelRunner.initialize_kv_cache",
+        "method",
+        used_by="indirect: speculator",
+    ),
+    # Calls speculator.load_model(self.model) on a DraftModelSpeculator.
+    Symbol(
+        "vllm/v1/worker/gpu/model_runner.py",
+        "GPUModelRunner.load_model",
+        "method",
+        used_by="indirect: speculator",
+    ),
+    # Calls observe_verification, then propose(...) each step; takes its drafts.
+    Symbol(
+        "vllm/v1/worker/gpu/model_runner.py",
+        "GPUModelRunner.sample_tokens",
+        "method",
+        used_by="indirect: speculator",
+    ),
+    # Imported from spec_decode; GPUModelRunner.__init__ calls it through this global,
+    # which patch 3 replaces (where the module is already imported).
+    Symbol(
+        "vllm/v1/worker/gpu/model_runner.py",
+        "init_speculator",
+        "module-attribute",
+        used_by="patches: 3",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/__init__.py", "<module>", "module", used_by="patches: 3"
+    ),
+    # Wrapped with the same parameters (called positionally); builds MoASpeculator.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/__init__.py",
+        "init_speculator",
+        "function",
+        ("vllm_config", "device", "req_states"),
+        used_by="patches: 3",
+    ),
+    # The interface the V2 runner calls; MoASpeculator overrides what it declares.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "BaseSpeculator",
+        "class",
+        used_by="indirect: speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "BaseSpeculator.capture",
+        "method",
+        ("self",),
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "BaseSpeculator.init_cudagraph_manager",
+        "method",
+        ("self", "cudagraph_mode"),
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "BaseSpeculator.num_extra_query_per_req",
+        "class-attribute",
+        used_by="indirect: speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "BaseSpeculator.num_query_per_req",
+        "class-attribute",
+        used_by="indirect: speculator",
+    ),
+    # Overridden with the same parameters: the runner passes some positionally, the
+    # rest (and its dummy run all) by keyword.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "BaseSpeculator.propose",
+        "method",
+        (
+            "self",
+            "input_batch",
+            "attn_metadata",
+            "slot_mappings",
+            "last_hidden_states",
+            "aux_hidden_states",
+            "num_sampled",
+            "num_rejected",
+            "last_sampled",
+            "next_prefill_tokens",
+            "temperature",
+            "seeds",
+            "dp_sync_state",
+            "dummy_run",
+            "skip_attn_for_dummy_run",
+            "mm_inputs",
+            "is_profile",
+            "num_speculative_tokens",
+        ),
+        used_by="speculator",
+    ),
+    # Subclassed: the runner calls load_model, set_attn and observe_verification only
+    # on a DraftModelSpeculator.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator",
+        "class",
+        used_by="speculator",
+    ),
+    # Abstract; overridden, called by load_model with these two arguments.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.load_draft_model",
+        "method",
+        ("self", "target_model", "target_attn_layer_names"),
+        used_by="speculator",
+    ),
+    # Not overridden: calls load_draft_model, sets `model` to what it returns and
+    # `draft_attn_layer_names` to the attention layers the target lacks (the pages).
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.load_model",
+        "method",
+        used_by="indirect: speculator",
+    ),
+    # Not overridden; a no-op with acceptance_estimator None.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.observe_verification",
+        "method",
+        used_by="indirect: speculator",
+    ),
+    # Not overridden; a no-op with draft_watermarker None.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.prepare_watermarking",
+        "method",
+        used_by="indirect: speculator",
+    ),
+    # Overridden with the same parameters; calls it (positionally) first.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.set_attn",
+        "method",
+        (
+            "self",
+            "model_state",
+            "kv_cache_config",
+            "block_tables",
+            "target_input_buffers",
+            "target_attn_groups",
+        ),
+        used_by="speculator",
+    ),
+    # MoASpeculator.__init__ does not call DraftModelSpeculator.__init__ (which reads the
+    # draft model's Hugging Face config): it assigns these itself, for vLLM's runner and the
+    # base methods it keeps (load_model, set_attn, observe_verification, ...).
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.acceptance_estimator",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.dcp_size",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.device",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.dp_rank",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.dp_size",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.draft_logits",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.draft_token_confidence_probs",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.draft_tokens",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.draft_watermarker",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.enable_adaptive_verification",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.eplb_state",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.max_num_reqs",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.max_num_tokens",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.method",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.num_speculative_steps",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.pcp_manager",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.speculative_config",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.supports_decode_metadata_update",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.supports_mm_inputs",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.use_acceptance_estimator",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.use_local_argmax_reduction",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.vllm_config",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    # Assigned in set_attn (the pages' attention groups); the runner binds their caches.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.attn_groups",
+        "instance-attribute",
+        used_by="indirect: speculator",
+    ),
+    # Assigned in set_attn: the runner's BlockTables.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.block_tables",
+        "instance-attribute",
+        used_by="speculator",
+    ),
+    # Assigned in load_model; read by the runner.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.draft_attn_layer_names",
+        "instance-attribute",
+        used_by="indirect: speculator",
+    ),
+    # Assigned in load_model (the drafter); read by the runner.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator.py",
+        "DraftModelSpeculator.model",
+        "instance-attribute",
+        used_by="indirect: speculator",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/states.py",
+        "RequestState.all_token_ids",
+        "instance-attribute",
+        used_by="speculator (tracing)",
     ),
 )
