@@ -93,3 +93,89 @@ def test_control_host_stand_ins_are_caught():
 
     with pytest.raises(AssertionError, match="mixes devices"):
         _warm_on_meta(0, on_the_host)
+
+
+def _core_on_meta(layers: int = 2) -> tuple[Any, dict[str, Any]]:
+    """A drafting core (TLI=0) whose drafter, target view, caches and pages all sit on `meta`:
+    the GPU layout's stores (TorchPagedKV), one KV-cache group."""
+    from vllm_moa.vllm_plugin.drafting import CacheLayout, MoADraftCore
+    from vllm_moa.vllm_plugin.paged_attention import page_views
+
+    target = HFTarget(make_hf_model(num_layers=layers))
+    shape = target.shape
+    info = TargetInfo(shape, target.config.num_attention_heads)
+    meta = torch.device("meta")
+    drafter = MoADrafter(make_config(info, preset="small")).eval().to(meta)
+    pages = _pages(drafter, target)
+    cache_shape = (6, shape.num_kv_heads, 16, 2 * shape.head_dim)
+    backend = SimpleNamespace(get_name=lambda: "FLASH_ATTN")
+    attns = [
+        SimpleNamespace(kv_cache=torch.empty(cache_shape, device=meta), attn_backend=backend)
+        for _ in range(layers)
+    ]
+    embed = torch.nn.Embedding(shape.vocab_size, shape.hidden_size, device=meta)
+    head = torch.nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, device=meta)
+    view = SimpleNamespace(
+        shape=shape, attn_layers=attns, layer_names=[f"t{i}" for i in range(layers)],
+        embed=embed, logits=head,
+    )  # fmt: skip
+    pages.layers = {name: SimpleNamespace(layer_name=f"p.{name}") for name in pages.fields}  # type: ignore[misc]
+    core = object.__new__(MoADraftCore)
+    core.__dict__.update(
+        drafter=drafter, target=view, device=meta, tp=1, vllm_config=None,
+        target_dtype=torch.float32, backend="FLASH_ATTN", pages=pages, _cpu_layouts={},
+        _draft_step=paged_draft_step, _page_rows=page_rows,
+        layout=CacheLayout({**dict.fromkeys(view.layer_names, (0, 16)),
+                            **dict.fromkeys(["p.memory", "p.sa"], (0, 16))}, [[]]),
+        stores={name: TorchPagedKV(*page_views(torch.zeros(cache_shape, device=meta), *field))
+                for name, field in pages.fields.items()},
+    )  # fmt: skip
+    return core, {"vocab": shape.vocab_size}
+
+
+def _run_step_on_meta(core: Any, vocab: int) -> torch.Tensor:
+    from vllm_moa.vllm_plugin.drafting import DraftInputs, PageRows
+
+    meta = torch.device("meta")
+    n, b = 7, 3
+    rows = PageRows(
+        token_ids=torch.empty(n, dtype=torch.long, device=meta),
+        positions=torch.empty(n, dtype=torch.long, device=meta),
+        slots={0: torch.empty(n, dtype=torch.long, device=meta)},
+    )
+    inputs = DraftInputs(
+        tokens=torch.empty(b, dtype=torch.long, device=meta),
+        positions=torch.empty(b, dtype=torch.long, device=meta),
+        ends=torch.empty(b, dtype=torch.long, device=meta),
+        block_tables={0: torch.empty(b, 4, dtype=torch.int32, device=meta)},
+        max_seq_len=64,
+        steps=4,
+    )
+    with torch.inference_mode(), OneDevice():  # as the speculator runs
+        core.write_rows(rows)
+        return core.draft(inputs)
+
+
+def test_the_draft_path_never_reads_the_device_from_the_host():
+    """The V2 speculator's device work (page rows, then K draft steps) runs on `meta` tensors,
+    which hold no values: any `.item()`, `.tolist()`, `bool(tensor)` or data-dependent shape in
+    that path would raise. So it has no host synchronisation and fixed shapes, what a CUDA graph
+    needs to capture it (the V2 runner's speculators capture their draft loops)."""
+    core, info = _core_on_meta()
+    drafts = _run_step_on_meta(core, info["vocab"])
+    assert drafts.shape == (3, 4) and drafts.device.type == "meta"
+
+
+def test_control_a_host_read_in_the_draft_path_is_caught(monkeypatch):
+    import vllm_moa.vllm_plugin.drafting as drafting
+
+    real = drafting.draft_slots
+
+    def syncing(positions, ends, table, block_size):  # type: ignore[no-untyped-def]
+        int(positions.max())  # a host read of a device value
+        return real(positions, ends, table, block_size)
+
+    monkeypatch.setattr(drafting, "draft_slots", syncing)
+    core, info = _core_on_meta()
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        _run_step_on_meta(core, info["vocab"])

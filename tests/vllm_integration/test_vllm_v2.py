@@ -216,3 +216,59 @@ def test_async_scheduling_stays_on_with_moa_on_v2(moa_pair, monkeypatch):
         max_model_len=256, speculative_config=spec,
     ).create_engine_config()  # fmt: skip
     assert config.use_v2_model_runner and config.scheduler_config.async_scheduling is False
+
+
+def test_v2_sampled_distribution_equals_plain_and_the_control_fails(moa_pair):
+    """T > 0 through V2's own rejection sampler: per generated position, a chi-square test of
+    MoA's token counts against plain sampling (all tables summed into one test, as in
+    test_vllm_sampling.py), every request seeded so the test cannot flake. Control: vLLM's own
+    lossy 'synthetic' verifier (it accepts drafts at a set rate, whatever the target's
+    probabilities) must fail the same test. Two temperatures in one batch, 150 requests each
+    (top-k / top-p cannot run under the interpreter: see the seed test)."""
+    from tests.vllm_integration.test_vllm_sampling import MAX_TOKENS, PROMPT, _p_value
+
+    n, groups = 150, ({"temperature": 1.0}, {"temperature": 0.7})
+    prompts = encode(moa_pair["target"], [PROMPT])
+    synthetic = {"rejection_sample_method": "synthetic", "synthetic_acceptance_length": 3.0}
+    arms = {
+        "plain": None,
+        "moa": moa(moa_pair["tli0"]),
+        "control": moa(moa_pair["tli0"], **synthetic),
+    }
+    job = {"target": str(moa_pair["target"]), "prompt": prompts[0], "n": n,
+           "groups": list(groups), "max_tokens": MAX_TOKENS, "arms": arms}  # fmt: skip
+    script = """
+import gc, json, sys
+from vllm import LLM, SamplingParams
+job = json.loads(sys.argv[1])
+out = {}
+for name, spec in job["arms"].items():
+    llm = LLM(model=job["target"], dtype="float32", enforce_eager=True, max_model_len=256,
+              seed=0, speculative_config=spec, disable_log_stats=False)
+    base = 0 if name == "plain" else 100_000
+    params = [SamplingParams(max_tokens=job["max_tokens"], ignore_eos=True,
+                             seed=base + 1000 * g + i, **group)
+              for g, group in enumerate(job["groups"]) for i in range(job["n"])]
+    outs = llm.generate([{"prompt_token_ids": job["prompt"]}] * len(params), params,
+                        use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    accepted = sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics()
+                   if m.name == "vllm:spec_decode_num_accepted_tokens")
+    out[name] = {"tokens": tokens, "accepted": accepted}
+    del llm
+    gc.collect()
+print("RESULT " + json.dumps(out))
+"""
+    env = v2_on_cpu.env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
+    got, _ = run_script(script, json.dumps(job), env=env)
+
+    def by_group(tokens: list[list[int]]) -> dict[int, list[list[int]]]:
+        return {g: tokens[g * n : (g + 1) * n] for g in range(len(groups))}
+
+    assert got["moa"]["accepted"] >= 60, "too few accepted drafts for the test to say anything"
+    plain = by_group(got["plain"]["tokens"])
+    p_moa = _p_value(plain, by_group(got["moa"]["tokens"]))
+    p_control = _p_value(plain, by_group(got["control"]["tokens"]))
+    print(f"p-values: MoA {p_moa:.3g}, synthetic-verifier control {p_control:.3g}")
+    assert p_control < 1e-6, "control: a lossy verifier should fail this test"
+    assert p_moa > 1e-3, f"MoA sampling on V2 differs from plain sampling (p={p_moa:.3g})"
