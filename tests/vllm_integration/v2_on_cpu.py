@@ -14,8 +14,8 @@ Every process vLLM starts must have it before vLLM is imported, which the plugin
 is too late for (vLLM imports its config, and with it `HAS_TRITON`, before it loads plugins):
 `env()` returns the environment that puts `v2_site/` (a `sitecustomize` calling `install()`) on
 PYTHONPATH, so the engine core and every TP worker install it at interpreter start-up.
-Inductor must stay on its C++ CPU backend (it would otherwise target the stand-in and fail in
-`get_current_target`): `install()` pins that.
+Engines run eager (`enforce_eager`): compiling the target, Inductor would target the stand-in
+backend and fail in `get_current_target`. (The proposer's own compiled step is tested on V1.)
 """
 
 from __future__ import annotations
