@@ -124,6 +124,7 @@ def _core_on_meta(layers: int = 2) -> tuple[Any, dict[str, Any]]:
     core.__dict__.update(
         drafter=drafter, target=view, device=meta, tp=1, vllm_config=None,
         target_dtype=torch.float32, backend="FLASH_ATTN", pages=pages, _cpu_layouts={},
+        _group_cache=None,
         _draft_step=paged_draft_step, _page_rows=page_rows,
         layout=CacheLayout({**dict.fromkeys(view.layer_names, (0, 16)),
                             **dict.fromkeys(["p.memory", "p.sa"], (0, 16))}, [[]]),

@@ -101,7 +101,8 @@ class MoADraftCore:
             like=target.attn_layers[0],
             vllm_config=vllm_config,
         )
-        self.layout: CacheLayout | None = None
+        self.layout: CacheLayout | None = None  # set once vLLM has planned the KV caches
+        self._group_cache: tuple[tuple[int, int], list[tuple[int, int]]] | None = None
         self.stores: dict[str, PagedKV] | None = None
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
@@ -153,14 +154,20 @@ class MoADraftCore:
     @property
     def page_group(self) -> tuple[int, int]:
         """(KV-cache group, block size) of the page layers: all in one group."""
-        (key,) = {self.group_of(name) for name in self.pages.layer_names}
-        return key
+        return self._groups()[0]
 
     @property
     def groups(self) -> list[tuple[int, int]]:
         """Every KV-cache group the core reads or writes (target layers and pages), in order."""
-        names = self.target.layer_names + self.pages.layer_names
-        return sorted({self.group_of(name) for name in names})
+        return self._groups()[1]
+
+    def _groups(self) -> tuple[tuple[int, int], list[tuple[int, int]]]:
+        """(page group, every group), worked out once from the layout (the hot path asks)."""
+        if self._group_cache is None:
+            (page,) = {self.group_of(name) for name in self.pages.layer_names}
+            names = self.target.layer_names + self.pages.layer_names
+            self._group_cache = (page, sorted({self.group_of(name) for name in names}))
+        return self._group_cache
 
     @property
     def tail_groups(self) -> list[tuple[int, int]]:
