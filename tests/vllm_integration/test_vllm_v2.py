@@ -85,7 +85,11 @@ def assert_chains_are_the_standalone_proposers(
     assert len(traced) >= at_least, f"only {len(traced)} contexts drafted from"
     reference = _reference_chains(target, drafter, list(traced), k)
     wrong = [c for c, chain in traced.items() if chain != reference[c][: len(chain)]]
-    assert not wrong, f"{len(wrong)} of {len(traced)} chains differ from the standalone proposer"
+    example = [(len(c), traced[c], reference[c]) for c in wrong[:3]]
+    assert not wrong, (
+        f"{len(wrong)} of {len(traced)} chains differ from the standalone proposer: "
+        f"(context length, drafted, standalone) {example}"
+    )
 
 
 def test_moa_on_v2_equals_plain_and_drafts_as_the_standalone_engine(moa_pair, tmp_path):
@@ -272,3 +276,81 @@ print("RESULT " + json.dumps(out))
     print(f"p-values: MoA {p_moa:.3g}, synthetic-verifier control {p_control:.3g}")
     assert p_control < 1e-6, "control: a lossy verifier should fail this test"
     assert p_moa > 1e-3, f"MoA sampling on V2 differs from plain sampling (p={p_moa:.3g})"
+
+
+@pytest.fixture(scope="module")
+def sharded_pair(moa_pair, tmp_path_factory) -> dict[str, Path]:
+    """A random target whose 2 KV heads tensor parallelism shards (one per rank), with a random
+    MoA TLI=1 drafter (its drafts depend on every input): the sharded branch of
+    tensor_parallel.py, end to end."""
+    import shutil
+
+    from tests.conftest import make_drafter, make_hf_model
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.hf_target import HFTarget
+
+    base = tmp_path_factory.mktemp("sharded")
+    model = make_hf_model(vocab_size=512, hidden_size=256, num_heads=4, num_kv_heads=2,
+                          num_layers=2, max_positions=512, seed=3)  # fmt: skip
+    model.save_pretrained(base / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(moa_pair["target"] / name, base / "target" / name)
+    target = HFTarget(model)
+    drafter = save_drafter(make_drafter(target, tli=1, seed=5), base / "drafter")
+    return {"target": base / "target", "drafter": Path(drafter)}
+
+
+def test_v2_tensor_parallel_with_sharded_kv_heads(sharded_pair, tmp_path):
+    """TP=2 on V2 (two worker processes, each with the harness from start-up) over a target
+    whose KV heads are sharded: outputs equal plain TP=2 decoding on V2, and every chain either
+    rank drafts equals the standalone proposer's (fp32, unsharded) at its context."""
+    prompts = encode(sharded_pair["target"], PROMPTS[:4])
+    script = """
+import json, sys
+from vllm import LLM, SamplingParams
+job = json.loads(sys.argv[1])
+llm = LLM(model=job["target"], dtype="float32", enforce_eager=True, max_model_len=256, seed=0,
+          tensor_parallel_size=2, speculative_config=job["spec"], disable_log_stats=False)
+outs = llm.generate([{"prompt_token_ids": p} for p in job["prompts"]],
+                    SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
+"""
+    env = v2_on_cpu.env(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_CPU_KVCACHE_SPACE="1",
+                        VLLM_CPU_OMP_THREADS_BIND="0|1")  # fmt: skip
+    job = {"target": str(sharded_pair["target"]), "prompts": prompts, "spec": None}
+    plain, _ = run_script(script, json.dumps(job), env=env)
+    trace = tmp_path / "trace.jsonl"
+    job["spec"] = moa(sharded_pair["drafter"], 3)
+    got, log = run_script(script, json.dumps(job), env={**env, "VLLM_MOA_TRACE": str(trace)})
+    assert "MoA runs on vLLM's V2 model runner" in log
+    assert got == plain
+    assert_chains_are_the_standalone_proposers(
+        sharded_pair["target"], sharded_pair["drafter"], trace, 3, 4 * 3
+    )
+
+
+def test_v2_honours_the_batch_size_schedule(moa_pair, tmp_path):
+    """vLLM's dynamic speculation schedule (`num_speculative_tokens_per_batch_size`) on V2: the
+    scheduler caps each step's drafts by batch size and the speculator drafts that many (4 for
+    a lone request, 2 for 2..64): outputs equal plain, chains equal the standalone proposer's,
+    and the batch of 4 drafted 2 tokens a step."""
+    prompts = encode(moa_pair["target"], PROMPTS[:4])
+    trace = tmp_path / "trace.jsonl"
+    schedule = [[1, 1, 4], [2, 64, 2]]
+    runs = [
+        {},
+        {"spec": moa(moa_pair["tli0"], num_speculative_tokens_per_batch_size=schedule),
+         "trace": str(trace)},
+    ]  # fmt: skip
+    (plain, got), _ = run_v2(moa_pair["target"], prompts, runs)
+    assert got["passes"] == plain["passes"]
+    metrics = got["metrics"]
+    drafts, tokens = (
+        metrics["vllm:spec_decode_num_drafts"],
+        metrics["vllm:spec_decode_num_draft_tokens"],
+    )
+    assert drafts > 0 and tokens == 2 * drafts, (drafts, tokens)
+    # a request left alone drafts 4: the reference chains are 4 long
+    assert_chains_are_the_standalone_proposers(
+        moa_pair["target"], moa_pair["tli0"], trace, 4, 4 * 4
+    )
