@@ -307,11 +307,8 @@ def convert(args: argparse.Namespace) -> int:
     from vllm_moa.checkpoint import ConvertOptions, convert_official
     from vllm_moa.hf_target import load_target_info
 
-    target = load_target_info(args.target).shape if args.target else None
-    opts = ConvertOptions(
-        tli=args.tli, lsa_head_dim=args.lsa_head_dim, head_dim=args.head_dim, target=target
-    )
-    out = convert_official(args.src, args.dst, opts)
+    target = load_target_info(args.target) if args.target else None
+    out = convert_official(args.src, args.dst, ConvertOptions(tli=args.tli, target=target))
     print(f"converted {args.src} -> {out}")
     return 0
 

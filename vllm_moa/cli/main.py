@@ -216,13 +216,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime_flags(p)
     p.set_defaults(func=commands.remote_generate)
 
-    p = sub.add_parser("convert-official", help="import the authors' released checkpoint")
-    p.add_argument("src", help="official checkpoint directory")
+    p = sub.add_parser(
+        "convert-official",
+        help="import the MoA authors' released drafter (either of its layouts)",
+        description="Every size comes from the release and the target; what the release does "
+        "not record must be given (docs/official_checkpoints.md).",
+    )
+    p.add_argument("src", help="the release's directory (config.json + *.safetensors)")
     p.add_argument("dst", help="output drafter directory")
-    p.add_argument("--target", default=None, help="target directory (for its exact shape)")
-    p.add_argument("--tli", type=non_negative_int, default=None)
-    p.add_argument("--head-dim", type=positive_int, default=None, help="SA/CA head size")
-    p.add_argument("--lsa-head-dim", type=positive_int, default=64)
+    p.add_argument(
+        "--target",
+        default=None,
+        help="the target model's directory: checked against the release; required for the "
+        "moa_spec layout (the published one), which drops the target's layer count",
+    )
+    p.add_argument(
+        "--tli",
+        type=non_negative_int,
+        default=None,
+        help="the target layers the release was trained to finish drafts through (required: "
+        "neither release layout records it)",
+    )
     p.set_defaults(func=commands.convert)
 
     p = sub.add_parser("train", help="distil a drafter (MoA or a baseline) against a target")
