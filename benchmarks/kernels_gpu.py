@@ -14,7 +14,8 @@ the compiler's resource report, benchmarks/kernels_aot.py, never timed):
   vLLM's [blocks, 8, 16, 256] layout) vs the PyTorch gather and vs a device-to-device copy of
   the same bytes, alone and followed by the layer attention (the ">= 60% of copy bandwidth for
   >= 1024 tokens" target), for 1024 and 4096 tokens.
-`--smoke` runs tiny shapes on the CPU (Triton interpreter) to check the script itself.
+`--smoke` runs tiny shapes on the CPU (Triton interpreter) to check the script itself; `--quick`
+skips the tile sweeps (the defaults only: what benchmarks/gpu_check runs).
 Runs from a plain checkout too (no install: the repository's kernels/ is mapped as
 vllm_moa.kernels, as pyproject does).
 """
@@ -86,7 +87,9 @@ def _sweep_point(run, ref32: torch.Tensor, torch_err: float, timing: bool, **til
     return point
 
 
-def bench_layer_attention(n: int, dtype: torch.dtype, device: str, timing: bool) -> dict:
+def bench_layer_attention(
+    n: int, dtype: torch.dtype, device: str, timing: bool, sweep: bool = True
+) -> dict:
     from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref
 
     q = torch.randn(n, 32, 32, 64, device=device, dtype=dtype)
@@ -107,7 +110,7 @@ def bench_layer_attention(n: int, dtype: torch.dtype, device: str, timing: bool)
             block_g=bg,
             num_warps=w,
         )
-        for bg, w in LAYER_TILES
+        for bg, w in (LAYER_TILES if sweep else [])
     ]
     if timing:
         from triton.testing import do_bench
@@ -124,7 +127,7 @@ def bench_layer_attention(n: int, dtype: torch.dtype, device: str, timing: bool)
 
 
 def bench_tree_attention(
-    batch: int, prefix: int, dtype: torch.dtype, device: str, timing: bool
+    batch: int, prefix: int, dtype: torch.dtype, device: str, timing: bool, sweep: bool = True
 ) -> dict:
     from vllm_moa.kernels.tree_attention import tree_attention, tree_attention_ref
 
@@ -165,7 +168,7 @@ def bench_tree_attention(
             block_n=bn,
             num_warps=w,
         )
-        for bm, bn, w in TREE_TILES
+        for bm, bn, w in (TREE_TILES if sweep else [])
     ]
     if timing:
         from triton.testing import do_bench
@@ -177,6 +180,9 @@ def bench_tree_attention(
             lambda: torch.nn.functional.scaled_dot_product_attention(qs, keys, keys)
         )
         row["ratio_vs_unmasked"] = row["kernel_ms"] / row["unmasked_sdpa_ms"]
+        # read q, the nodes' K/V and the prefix's K/V pages; write o
+        moved = (2 * q.numel() + 2 * kt.numel() + 2 * batch * prefix * hkv * d) * q.element_size()
+        row["kernel_GBps"] = moved / row["kernel_ms"] / 1e6
     return row
 
 
@@ -229,6 +235,7 @@ def main() -> int:
     )
     p.add_argument("--out", required=True)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (Triton interpreter)")
+    p.add_argument("--quick", action="store_true", help="no tile sweeps: the default tiles only")
     args = p.parse_args()
     if args.smoke:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -247,9 +254,13 @@ def main() -> int:
         "torch": torch.__version__,
         "git_sha": git_sha(),
         "dtype": str(dtype),
-        "layer_attention": [bench_layer_attention(n, dtype, device, timing) for n in sizes],
+        "layer_attention": [
+            bench_layer_attention(n, dtype, device, timing, not args.quick) for n in sizes
+        ],
         "tree_attention": [
-            bench_tree_attention(b, 64 if args.smoke else 1024, dtype, device, timing)
+            bench_tree_attention(
+                b, 64 if args.smoke else 1024, dtype, device, timing, not args.quick
+            )
             for b in ([1] if args.smoke else [1, 8])
         ],
         "paged_layer_kv": [bench_paged_layer_kv(n, dtype, device, timing) for n in sizes],

@@ -55,7 +55,7 @@ class MoAMethod(Method[MoADrafter]):
         target, num_layers = self.target, self.target.shape.num_layers
         hidden = target_out.hidden_states
         dtype = self.drafter.cross_attention.dtype
-        embeds = target.embed_tokens(batch.input_ids).to(dtype)
+        embeds = target.embed_tokens(batch.input_ids.to(target.device)).to(dtype)
         features = self.memory_features(target_out)
         predicted = self.module(embeds, features.to(dtype), memory_limit, sa_from)
         if self.tli == 0:
