@@ -34,8 +34,10 @@ def make_hf_model(
     max_positions: int = 256,
     seed: int = 0,
     logit_scale: float = 1.0,
+    rope_parameters: dict | None = None,
 ):
-    """A randomly initialised tiny causal LM of the given architecture (eval mode)."""
+    """A randomly initialised tiny causal LM of the given architecture (eval mode).
+    `rope_parameters`: transformers' RoPE settings (base and scaling), e.g. Llama-3.1's llama3."""
     import transformers as tf
 
     classes = {
@@ -45,6 +47,8 @@ def make_hf_model(
         "mistral": (tf.MistralConfig, tf.MistralForCausalLM, {"sliding_window": 7}),
     }
     config_cls, model_cls, extra = classes[model_type]
+    if rope_parameters is not None:
+        extra = {**extra, "rope_parameters": dict(rope_parameters)}
     config = config_cls(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

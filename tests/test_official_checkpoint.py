@@ -159,7 +159,9 @@ def test_refusals_name_the_missing_fact(tmp_path):
     ("changes", "layout", "message"),
     [
         ({"rope_theta": 10000.0}, LAYOUTS[1], r"rope_theta 10000.0 but the target has 500000.0"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, LAYOUTS[1], "RoPE scaling"),
+        # tests/test_rope_scaling.py converts rope-scaled releases; here: an unscaled target
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, LAYOUTS[1], r"has RoPE scal"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, LAYOUTS[1], "'dynamic'"),
         ({"rope_theta": None}, LAYOUTS[0], "lacks 'rope_theta'"),
         ({"disable_LSA": True}, LAYOUTS[1], "disable_LSA"),
         ({"tli": 1}, LAYOUTS[0], r"--tli 0 contradicts .* TLI 1"),

@@ -8,6 +8,7 @@ vLLM's CPU ops the step is one graph too (tests/vllm_integration/test_compiled_p
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -17,10 +18,19 @@ from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.drafting import paged_draft_step
 from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV, page_views
 
+# Llama-3.1's RoPE scaling: SA reads its frequencies from a buffer (model/rope.py).
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
-def _setup():
+
+def _setup(rope_scaling: dict | None = None):
     torch.manual_seed(0)
-    info = TargetInfo(TargetShape(3, 128, 1, 64, 256), num_attention_heads=2)
+    info = TargetInfo(TargetShape(3, 128, 1, 64, 256, rope_scaling), num_attention_heads=2)
     drafter = MoADrafter(make_config(info, preset="small")).eval()
     drafter.init_weights(seed=0)
     embed = nn.Embedding(256, 128)
@@ -41,9 +51,11 @@ def _setup():
     return drafter, embed, stores, table, block_size, args
 
 
+@pytest.mark.parametrize("rope_scaling", [None, LLAMA3], ids=["plain", "llama3"])
 @torch.inference_mode()
-def test_draft_loop_compiles_without_graph_breaks():
-    drafter, embed, stores, table, block_size, args = _setup()
+def test_draft_loop_compiles_without_graph_breaks(rope_scaling):
+    drafter, embed, stores, table, block_size, args = _setup(rope_scaling)
+    assert drafter.config.sa_rope_scaling == rope_scaling
     eager_stores = {n: TorchPagedKV(s.key.clone(), s.value.clone()) for n, s in stores.items()}
 
     def loop(stores, tokens, positions, ends, memory_lens, has_memory):

@@ -12,9 +12,11 @@ Two layouts, both read here; the tensors are the same in both (keys `layer_self_
 Geometry, as their classes build it: SA and CA have width E and the target's H query heads of
 size E/H; LSA has width 2*E_kv and H heads of size 2*E_kv/H; every block's KV heads and MLP
 width come from the tensor shapes; RoPE uses the target's rope_theta in all three blocks (LSA
-over the layer index). Neither layout records TLI (--tli), and the moa_spec layout not the
-target's layer count (--target). Refused, with one line naming the fact: rope scaling, attention
-biases (Qwen2 releases), `disable_LSA`, and a release that contradicts the target.
+over the layer index) and the target's RoPE scaling in SA only, as their training code builds it
+(their vLLM fork scales all three; docs/official_checkpoints.md). Neither layout records TLI
+(--tli), and the moa_spec layout not the target's layer count (--target). Refused, with one line
+naming the fact: attention biases (Qwen2 releases), `disable_LSA`, RoPE scaling whose frequencies
+change with the sequence length, and a release that contradicts the target.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.presets import TargetInfo
+from vllm_moa.model.rope import rope_scaling_of, scaled_frequencies
 
 BLOCKS = ("layer_self_attention", "self_attention", "cross_attention")
 TRAINING, MOA_SPEC = "training", "moa_spec"
@@ -65,6 +68,7 @@ class ReleaseConfig:
     kv_width: int  # E_kv = n_kv * d
     vocab_size: int
     rope_theta: float
+    rope_scaling: dict[str, Any] | None  # the target's, as rope_scaling_of records it
     rms_norm_eps: float
     num_layers: int | None  # L; None in the moa_spec layout
     tli: int | None  # None: not recorded
@@ -77,15 +81,22 @@ def _int(cfg: dict[str, Any], key: str, path: Path, layout: str) -> int:
     return int(cfg[key])
 
 
+def _rope_scaling(
+    cfg: dict[str, Any], path: Path, head_dim: int, theta: float
+) -> dict[str, Any] | None:
+    """The target's RoPE scaling (their SA applies it), checked as the drafter will apply it."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")  # transformers 4 / 5 spelling
+    scaling = rope_scaling_of(
+        params if isinstance(params, dict) else None, cfg.get("max_position_embeddings")
+    )
+    if scaling is not None:
+        scaled_frequencies(head_dim, theta, scaling, f"{path}'s RoPE scaling")
+    return scaling
+
+
 def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
-    """The target's RoPE base; refuses RoPE scaling, which the drafter cannot apply yet."""
+    """The target's RoPE base."""
     params = cfg.get("rope_parameters")  # transformers 5 spelling
-    scaling = cfg.get("rope_scaling") or params
-    if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) != "default":
-        raise ValueError(
-            f"{path} sets RoPE scaling {scaling}: releases for targets with RoPE scaling are "
-            "not supported yet (the release's training code scales SA's RoPE only)"
-        )
     theta = cfg.get("rope_theta", params.get("rope_theta") if isinstance(params, dict) else None)
     if theta is None:
         raise ValueError(f"{path} lacks 'rope_theta' (the target's RoPE base the drafter uses)")
@@ -118,7 +129,7 @@ def read_release_config(src: Path) -> ReleaseConfig:
             f"{path} is neither of the release's layouts: no model_type 'moa_spec' (their "
             "vllm/convert_checkpoint.py's) and no 'num_hidden_layers' (their save_pretrained's)"
         )
-    hidden = _int(cfg, "hidden_size", path, layout)
+    hidden, theta = _int(cfg, "hidden_size", path, layout), _rope_theta(cfg, path)
     heads = _int(cfg, "num_attention_heads", path, layout)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     if layout == MOA_SPEC:
@@ -140,7 +151,8 @@ def read_release_config(src: Path) -> ReleaseConfig:
         head_dim=head_dim,
         kv_width=kv_width,
         vocab_size=_int(cfg, "vocab_size", path, layout),
-        rope_theta=_rope_theta(cfg, path),
+        rope_theta=theta,
+        rope_scaling=_rope_scaling(cfg, path, hidden // heads, theta),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         num_layers=num_layers,
         tli=_recorded_tli(cfg),
@@ -158,6 +170,7 @@ def _check_against_target(release: ReleaseConfig, target: TargetInfo) -> None:
         ("E_kv (num_key_value_heads * head_dim)", release.kv_width, shape.kv_width),
         ("vocab_size", release.vocab_size, shape.vocab_size),
         ("rope_theta", release.rope_theta, target.rope_theta),
+        ("RoPE scaling", release.rope_scaling, shape.rope_scaling),
     ]
     if release.num_layers is not None:
         checks.append(("num_hidden_layers", release.num_layers, shape.num_layers))
@@ -185,6 +198,7 @@ def target_of(release: ReleaseConfig, given: TargetInfo | None) -> TargetShape:
         num_kv_heads=release.kv_width // release.head_dim,
         head_dim=release.head_dim,
         vocab_size=release.vocab_size,
+        rope_scaling=release.rope_scaling,
     )
 
 
@@ -301,6 +315,7 @@ def moa_config(
         tli=tli,
         rope_theta=release.rope_theta,
         lsa_rope_theta=release.rope_theta,
+        sa_rope_scaling=release.rope_scaling,  # SA only, as their training code
         rms_norm_eps=release.rms_norm_eps,
     )
 

@@ -22,6 +22,7 @@ from vllm_moa.model.config import TargetShape
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.layers import use_kernels
 from vllm_moa.model.packed_linear import pack_linears
+from vllm_moa.model.rope import config_rope_scaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 _REQUIRED_MODULES = (
@@ -99,6 +100,7 @@ def target_shape(config: object) -> TargetShape:
         num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or hidden // heads,
         vocab_size=config.vocab_size,  # type: ignore[attr-defined]
+        rope_scaling=config_rope_scaling(config),
     )
 
 

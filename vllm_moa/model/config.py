@@ -34,6 +34,8 @@ class TargetShape:
     num_kv_heads: int  # n_kv
     head_dim: int  # d
     vocab_size: int
+    # The target's RoPE scaling as model/rope.py's rope_scaling_of records it; None: plain RoPE.
+    rope_scaling: dict[str, Any] | None = None
 
     @property
     def kv_width(self) -> int:

@@ -5,12 +5,14 @@ Shapes: B batch (tokens for LSA), T queries, S keys, H query heads, Hkv KV heads
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm_moa.model.rope import apply_rope, rope_cos_sin, scaled_cos_sin, scaled_frequencies
 from vllm_moa.switches import env_switch
 
 
@@ -25,28 +27,6 @@ class RMSNorm(nn.Module):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin of shape [..., S, D] for integer positions [..., S] (rotate-half convention)."""
-    inv_freq = 1.0 / (
-        theta
-        ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
-    )
-    freqs = positions.float()[..., None] * inv_freq  # [..., S, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [..., S, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, H, S, D]; cos/sin: [S, D], or [B, S, D] for per-row positions."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 def masked_attention(
@@ -119,6 +99,8 @@ def reference_attention(
 class Attention(nn.Module):
     """GQA attention whose keys/values may come from another stream (self or cross attention)."""
 
+    rope_inv_freq_bits: torch.Tensor  # [D/2] int32, a buffer registered with rope scaling only
+
     def __init__(
         self,
         width: int,
@@ -126,13 +108,23 @@ class Attention(nn.Module):
         num_kv_heads: int,
         rope_theta: float,
         over_layers: bool = False,
+        rope_scaling: Mapping[str, Any] | None = None,
     ) -> None:
+        """`rope_scaling`: a target's RoPE scaling (model/rope.py's rope_scaling_of), None for
+        plain RoPE over `rope_theta`."""
         super().__init__()
         self.over_layers = over_layers  # LSA: unmasked attention over a short layer axis
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = width // num_heads
         self.rope_theta = rope_theta
+        self.rope_scaling = None if rope_scaling is None else dict(rope_scaling)
+        self.rope_factor = 1.0  # the scaling's cos/sin factor (YaRN's attention factor)
+        if rope_scaling is not None:
+            inv_freq, self.rope_factor = scaled_frequencies(self.head_dim, rope_theta, rope_scaling)
+            # [D/2] float32 kept as its int32 bit pattern: `.to(dtype)` rounds floating buffers
+            # (bf16 would move the frequencies) but only moves integer ones. Not in state_dict.
+            self.register_buffer("rope_inv_freq_bits", inv_freq.view(torch.int32), persistent=False)
         self.q_proj = nn.Linear(width, num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(width, num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(width, num_kv_heads * self.head_dim, bias=False)
@@ -141,19 +133,28 @@ class Attention(nn.Module):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.unflatten(-1, (n, self.head_dim)).transpose(1, 2)  # [B, n, S, D]
 
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., S, D] of this block's rotary embedding at positions [..., S]."""
+        if self.rope_scaling is None:
+            return rope_cos_sin(positions, self.head_dim, self.rope_theta, dtype)
+        inv_freq = self.rope_inv_freq_bits.view(torch.float32)
+        return scaled_cos_sin(positions, inv_freq, self.rope_factor, dtype)
+
     def project_kv(
         self, source: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """source: [B, S, W] (already normalised), positions: [S] -> k, v: [B, Hkv, S, D]."""
         k = self._heads(self.k_proj(source), self.num_kv_heads)
         v = self._heads(self.v_proj(source), self.num_kv_heads)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, k.dtype)
+        cos, sin = self.cos_sin(positions, k.dtype)
         return apply_rope(k, cos, sin), v
 
     def project_q(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [B, T, W] (already normalised), positions: [T] or [B, T] -> q: [B, H, T, D]."""
         q = self._heads(self.q_proj(x), self.num_heads)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rope(q, cos, sin)
 
     def forward(
@@ -206,13 +207,17 @@ class DecoderBlock(nn.Module):
         input_norm: bool = True,
         over_layers: bool = False,
         mlp_out_width: int | None = None,
+        rope_scaling: Mapping[str, Any] | None = None,
     ) -> None:
         """`mlp_out_width`: the MLP's output width when it differs from `width` (GRIFFIN's
-        token-enhanced head writes two states; that block's forward adds the residual)."""
+        token-enhanced head writes two states; that block's forward adds the residual).
+        `rope_scaling`: the attention's RoPE scaling (see `Attention`), None for plain RoPE."""
         super().__init__()
         # EAGLE's layer has no input norm: its input is already an fc projection.
         self.input_layernorm: nn.Module = RMSNorm(width, eps) if input_norm else nn.Identity()
-        self.self_attn = Attention(width, num_heads, num_kv_heads, rope_theta, over_layers)
+        self.self_attn = Attention(
+            width, num_heads, num_kv_heads, rope_theta, over_layers, rope_scaling
+        )
         self.post_attention_layernorm = RMSNorm(width, eps)
         self.mlp = SwiGLU(width, intermediate, mlp_out_width)
 

@@ -82,6 +82,7 @@ def make_config(
         tli=tli,
         rope_theta=target.rope_theta,
         lsa_rope_theta=10000.0,
+        sa_rope_scaling=s.rope_scaling,
         rms_norm_eps=target.rms_norm_eps,
         memory_source=memory_source,
     )

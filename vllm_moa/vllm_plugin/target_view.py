@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllm_moa.model.config import TargetShape
+from vllm_moa.model.rope import config_rope_scaling
 
 
 class VllmTargetView:
@@ -42,6 +43,7 @@ class VllmTargetView:
             num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
             head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
             vocab_size=hf_config.vocab_size,
+            rope_scaling=config_rope_scaling(hf_config),
         )
 
     @property

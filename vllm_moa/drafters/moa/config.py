@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from vllm_moa.model.config import DrafterConfig
+from vllm_moa.model.config import DrafterConfig, TargetShape
+from vllm_moa.model.rope import scaled_frequencies
 
 MOA_ARCHITECTURE = "MoADrafter"
 MOA_MODEL_TYPE = "moa_drafter"
@@ -39,6 +41,10 @@ class MoAConfig(DrafterConfig):
     tli: int = 0
     rope_theta: float = 10000.0  # SA and CA, over token positions
     lsa_rope_theta: float = 10000.0  # LSA, over the layer index
+    # The target's RoPE scaling, applied in SA only (as the authors' training code does; CA and
+    # LSA stay plain): model/rope.py's rope_scaling_of form, e.g. {"rope_type": "llama3",
+    # "factor": 8.0, ...}. None: plain RoPE (every drafter made before this field existed).
+    sa_rope_scaling: dict[str, Any] | None = None
     rms_norm_eps: float = 1e-5
     # LSA's norms' eps when it differs from SA/CA's (`vllm-moa inflate` widens SA/CA, not LSA);
     # 0: the same as rms_norm_eps.
@@ -62,6 +68,27 @@ class MoAConfig(DrafterConfig):
         self._check_heads("lsa_", self.lsa_width, self.lsa_num_heads, self.lsa_num_kv_heads)
         self._check_heads("sa_", self.target_hidden_size, self.sa_num_heads, self.sa_num_kv_heads)
         self._check_heads("ca_", self.target_hidden_size, self.ca_num_heads, self.ca_num_kv_heads)
+        if self.sa_rope_scaling is not None:  # transformers validates the parameters
+            sa_head = self.target_hidden_size // self.sa_num_heads
+            scaled_frequencies(sa_head, self.rope_theta, self.sa_rope_scaling, "sa_rope_scaling")
+
+    @property
+    def target_shape(self) -> TargetShape:
+        return dataclasses.replace(super().target_shape, rope_scaling=self.sa_rope_scaling)
+
+    def check_target(self, target: TargetShape) -> None:
+        """Raise if this drafter was built for a target of another shape or RoPE scaling. A
+        drafter that records no scaling runs its SA unscaled on any target, as it was trained
+        (drafters made before the field existed, for Llama-3.1-style targets, keep working);
+        one that records a scaling must match the target's."""
+        super().check_target(target)
+        if self.sa_rope_scaling is not None and self.sa_rope_scaling != target.rope_scaling:
+            raise ValueError(
+                f"drafter's Self-Attention applies RoPE scaling {self.sa_rope_scaling} "
+                f"(sa_rope_scaling), but the target's is {target.rope_scaling}; use a drafter "
+                "made for this target (`vllm-moa init-drafter --target ...`, `vllm-moa train`, "
+                "or `vllm-moa convert-official --target ...`)"
+            )
 
     @property
     def lsa_width(self) -> int:

@@ -41,6 +41,7 @@ class MoADrafter(nn.Module):
             c.sa_intermediate_size,
             c.rope_theta,
             c.rms_norm_eps,
+            rope_scaling=c.sa_rope_scaling,  # SA only, as the authors' training code
         )
         self.cross_attention = DecoderBlock(
             hidden,
