@@ -167,15 +167,15 @@ def test_v2_control_wrong_rows_are_caught(moa_pair, tmp_path, monkeypatch):
 
 
 def test_v2_sampling_repeats_with_a_seed(moa_pair):
-    """T > 0 on V2: a seeded request's text repeats run to run and engine to engine (drafts
+    """T > 0 on V2: a seeded request's text repeats run to run (drafts
     are greedy and the lengths fixed, so vLLM's draws follow the seed). (top-k / top-p cannot
     run here: vLLM's own top-k/top-p Triton kernel fails under the interpreter, with or without
     speculation.)"""
     prompts = encode(moa_pair["target"], PROMPTS[:3])
     params = {"temperature": 0.8, "seed": 7, "max_tokens": 24, "ignore_eos": True}
     run = {"spec": moa(moa_pair["tli1"]), "params": params, "repeat": 2}
-    (got, again), _ = run_v2(moa_pair["target"], prompts, [run, run])
-    assert got["passes"][0] == got["passes"][1] == again["passes"][0]
+    (got,), _ = run_v2(moa_pair["target"], prompts, [run])
+    assert got["passes"][0] == got["passes"][1]
     assert got["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
 
 
