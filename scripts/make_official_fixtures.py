@@ -7,7 +7,8 @@ virtual environment of its own: nothing of theirs is copied into this repository
 
 For each geometry it builds their training-time drafter `MOASpecLlamaForCausalLM` (a tiny random
 Llama target with RoPE theta 500000 plus the drafter) with random weights rounded to bfloat16,
-then writes under OUT/<geometry>/:
+then writes under OUT/<geometry>/ (`lsa64`, `lsa32`, and `lsa64_llama3`: lsa64's weights on a
+target with Llama-3.1-style `rope_scaling`, original length 16, 24 tokens of which 18 verified):
 
 - `target/`: the tiny target (`LlamaForCausalLM.save_pretrained`, bfloat16);
 - `release_training/`: the drafter through THEIR `save_pretrained` (the layout their trainer
@@ -19,11 +20,14 @@ then writes under OUT/<geometry>/:
   drafter's memory holds their target K/V) and 1 on the rest (teacher-forced drafts, which see
   the memory of the P verified tokens only), TLI 0 and TLI 1 (their TLI feeds the true hidden
   state at verified positions, so the target's last layer sees the true prefix, as at inference);
-- `manifest.json`: the commit, blob hashes of their files, versions, shapes and P.
+- `manifest.json`: the commit, blob hashes of their files, versions, shapes, T, P and the RoPE
+  scaling where there is one.
 
 It also checks that their single-device inference class, prefilled with the P verified tokens,
 drafts its first token with the training forward's logits (TLI 0), so the golden rows are
-what their inference computes too.
+what their inference computes too; and, for the rope-scaled target, that their SA's rotary is
+the target's scaled one and CA's and LSA's are plain, each of which moves the golden rows when
+swapped (so the scaling shows in the logits, as their installed transformers computes them).
 
 The weights are bfloat16 values, so the float32 forward and the bfloat16 files hold the same
 numbers (the fixtures stay small and the release's own dtype is exercised).
@@ -77,6 +81,17 @@ ROPE_THETA = 500000.0
 SEQ_LEN = 12  # T
 VERIFIED = 5  # P: tokens 0..P-1 verified, P..T-1 teacher-forced drafts
 SEED = 1234
+MAX_POSITIONS = 64  # the target's max_position_embeddings
+
+
+@dataclass(frozen=True)
+class RopeScaled:
+    """The target's RoPE scaling, with a sequence long enough to run past its original length."""
+
+    rope_scaling: dict[str, Any]
+    max_position_embeddings: int
+    seq_len: int  # T
+    verified: int  # P
 
 
 @dataclass(frozen=True)
@@ -94,11 +109,50 @@ class Geometry:
     num_layers: int = 3
     vocab_size: int = 64
     target_mlp: int = 64
+    scaled: RopeScaled | None = None  # None: no RoPE scaling, T = SEQ_LEN, P = VERIFIED
 
     @property
     def lsa_head_size(self) -> int:
         head_dim = self.hidden_size // self.num_heads
         return 2 * self.num_kv_heads * head_dim // self.num_heads
+
+    @property
+    def seq_len(self) -> int:
+        return self.scaled.seq_len if self.scaled else SEQ_LEN
+
+    @property
+    def verified(self) -> int:
+        return self.scaled.verified if self.scaled else VERIFIED
+
+    def shape(self) -> dict[str, Any]:
+        """The manifest's `geometry` (unscaled: the same as before `scaled` existed)."""
+        return {k: v for k, v in asdict(self).items() if k != "scaled"}
+
+    def rope_facts(self) -> dict[str, Any]:
+        """The manifest's entries on the target's RoPE scaling (none where unscaled)."""
+        if self.scaled is None:
+            return {}
+        return {
+            "max_position_embeddings": self.scaled.max_position_embeddings,
+            "rope_scaling": self.scaled.rope_scaling,
+        }
+
+
+# Llama-3.1's rope_scaling with an original length of 16 (theirs: 8192): tokens 0..17 verified,
+# drafts at positions 18..23. llama3 scaling changes the frequencies themselves (wavelengths
+# above 16 slowed 8x, 4..16 blended), so it moves every rotation, more with the distance.
+LLAMA3 = RopeScaled(
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+    max_position_embeddings=128,
+    seq_len=24,
+    verified=18,
+)
 
 
 GEOMETRIES = (
@@ -106,7 +160,12 @@ GEOMETRIES = (
     Geometry("lsa64", 64, 2, 2, lsa_kv_heads=1, lsa_mlp=64, token_kv_heads=1, token_mlp=96),
     # GQA target (2 heads of 32, 1 KV head): LSA width 64, 2 heads of 32, 2 KV heads.
     Geometry("lsa32", 64, 2, 1, lsa_kv_heads=2, lsa_mlp=48, token_kv_heads=1, token_mlp=96),
-)
+    # lsa64 on a target with Llama-3.1-style RoPE scaling (their SA applies it, CA and LSA not).
+    Geometry(
+        "lsa64_llama3", 64, 2, 2, lsa_kv_heads=1, lsa_mlp=64, token_kv_heads=1, token_mlp=96,
+        scaled=LLAMA3,
+    ),
+)  # fmt: skip
 
 
 def git_blob_sha(path: Path) -> str:
@@ -141,9 +200,9 @@ def target_config(g: Geometry) -> Any:
         num_hidden_layers=g.num_layers,
         num_attention_heads=g.num_heads,
         num_key_value_heads=g.num_kv_heads,
-        max_position_embeddings=64,
+        max_position_embeddings=g.scaled.max_position_embeddings if g.scaled else MAX_POSITIONS,
         rope_theta=ROPE_THETA,
-        rope_scaling=None,
+        rope_scaling=dict(g.scaled.rope_scaling) if g.scaled else None,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
     )
@@ -185,14 +244,14 @@ def randomise(model: torch.nn.Module, seed: int) -> None:
 
 
 @torch.no_grad()
-def their_logits(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+def their_logits(model: Any, input_ids: torch.Tensor, verified: int) -> torch.Tensor:
     """Drafter logits [T, V] from their training forward (the first LM-head call is the
     drafter's; the second is the target's, for the KL loss)."""
     calls: list[torch.Tensor] = []
     handle = model.lm_head.register_forward_hook(lambda _m, _i, out: calls.append(out))
     attention_mask = torch.ones_like(input_ids)
     response_mask = torch.zeros_like(input_ids)
-    response_mask[:, VERIFIED:] = 1
+    response_mask[:, verified:] = 1
     base_model_output = [
         model.model(
             input_ids=input_ids,
@@ -230,27 +289,74 @@ def check_inference_class(
         depth=1, breadth=1, total_tokens=1,
     ).eval()  # fmt: skip
     inference.load_state_dict(model.state_dict(), strict=True)
-    prompt = input_ids[:, :VERIFIED]
+    p = g.verified
+    prompt = input_ids[:, :p]
     prefill = inference(
         input_ids=prompt,
         attention_mask=torch.ones_like(prompt),
-        position_ids=torch.arange(VERIFIED)[None],
-        cache_position=torch.arange(VERIFIED),
+        position_ids=torch.arange(p)[None],
+        cache_position=torch.arange(p),
         use_cache=True,
         return_dict=True,
     )
     draft = inference(
-        input_ids=input_ids[:, : VERIFIED + 1],
+        input_ids=input_ids[:, : p + 1],
         last_hidden_state=prefill["hidden_states"],  # their CA keys/values of the memory
         past_key_values2=prefill["past_key_values2"],
         past_key_values=prefill["past_key_values"],
-        cache_position=torch.tensor([VERIFIED]),
+        cache_position=torch.tensor([p]),
         gen_step=0,
     )
     diff = (draft["logits"][0, -1].float() - row).abs().max().item()
     if diff > 1e-4:
         raise SystemExit(f"{g.name}: their inference and training classes differ by {diff}")
     print(f"{g.name}: their inference class's first draft = training forward row P ({diff:.1e})")
+
+
+def rotary(g: Geometry, head_dim: int, scaled: bool) -> Any:
+    """transformers' LlamaRotaryEmbedding for the target's base, with or without its scaling."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = target_config(g)
+    config.head_dim = head_dim
+    if not scaled:
+        config.rope_scaling = None
+    return LlamaRotaryEmbedding(config=config)
+
+
+@torch.no_grad()
+def check_scaling_applied(
+    g: Geometry, model: Any, input_ids: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Under the installed transformers, their SA's rotary carries the target's scaling and CA's
+    and LSA's do not (CA's constructor clears the config they share), and the scaling shows in
+    the golden rows: their forward with SA's rotary plain, or with CA's or LSA's scaled, moves
+    them (TLI 0, rows P..T-1)."""
+    head_dim = g.hidden_size // g.num_heads
+    blocks = {
+        "self_attention": (head_dim, True),
+        "cross_attention": (head_dim, False),
+        "layer_self_attention": (g.lsa_head_size, False),
+    }
+    for block, (size, scaled) in blocks.items():
+        emb = getattr(model, block).self_attn.rotary_emb
+        expected = g.scaled.rope_scaling["rope_type"] if scaled else "default"
+        same = torch.equal(emb.inv_freq, rotary(g, size, scaled).inv_freq)
+        other = torch.equal(emb.inv_freq, rotary(g, size, not scaled).inv_freq)
+        if emb.rope_type != expected or not same or other:
+            raise SystemExit(f"{g.name}: their {block} rotary is {emb.rope_type}, not {expected}")
+    p = g.verified
+    for block, (size, scaled) in blocks.items():
+        theirs = build_theirs(g, 0)
+        theirs.load_state_dict(model.state_dict(), strict=True)
+        getattr(theirs, block).self_attn.rotary_emb = rotary(g, size, not scaled)
+        moved = (their_logits(theirs, input_ids, p)[p:] - rows[p:]).abs().max().item()
+        if moved < 1e-2:
+            raise SystemExit(f"{g.name}: {block}'s RoPE scaling moves no logit ({moved:.1e})")
+        print(
+            f"{g.name}: their {block} rotary {'scaled' if scaled else 'plain'}; "
+            f"{'plain' if scaled else 'scaled'} instead moves rows P.. by {moved:.3f}"
+        )
 
 
 def save_target(model: Any, g: Geometry, out: Path) -> None:
@@ -270,13 +376,15 @@ def make_geometry(g: Geometry, src: Path, out: Path) -> dict[str, Any]:
     model = build_theirs(g, tli=0)
     randomise(model, SEED)
     gen = torch.Generator().manual_seed(SEED + 1)
-    input_ids = torch.randint(0, g.vocab_size, (1, SEQ_LEN), generator=gen)
+    input_ids = torch.randint(0, g.vocab_size, (1, g.seq_len), generator=gen)
     golden = {"input_ids": input_ids[0]}
     for tli in (0, 1):
         theirs = build_theirs(g, tli)
         theirs.load_state_dict(model.state_dict(), strict=True)
-        golden[f"logits_tli{tli}"] = their_logits(theirs, input_ids).contiguous()
-    check_inference_class(g, model, input_ids, golden["logits_tli0"][VERIFIED])
+        golden[f"logits_tli{tli}"] = their_logits(theirs, input_ids, g.verified).contiguous()
+    check_inference_class(g, model, input_ids, golden["logits_tli0"][g.verified])
+    if g.scaled:
+        check_scaling_applied(g, model, input_ids, golden["logits_tli0"])
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -284,7 +392,7 @@ def make_geometry(g: Geometry, src: Path, out: Path) -> dict[str, Any]:
     model.to(torch.bfloat16).save_pretrained(out / "release_training")  # THEIR save_pretrained
     convert_checkpoint(str(out / "release_training"), str(out / "release_moa_spec"))
     save_file(golden, str(out / "golden.safetensors"))
-    return {"geometry": asdict(g), "lsa_head_size": g.lsa_head_size}
+    return {"geometry": g.shape(), "lsa_head_size": g.lsa_head_size}
 
 
 def installed(names: tuple[str, ...]) -> dict[str, str | None]:
@@ -328,8 +436,9 @@ def main() -> None:
             "python": platform.python_version(),
             "their_other_pins": installed(("trl", "deepspeed", "accelerate", "hydra-core")),
             "rope_theta": ROPE_THETA,
-            "seq_len": SEQ_LEN,
-            "verified": VERIFIED,
+            **g.rope_facts(),
+            "seq_len": g.seq_len,
+            "verified": g.verified,
             "seed": SEED,
             "dtype_of_weights": "bfloat16 (values rounded to bfloat16 before the float32 forward)",
             **facts,

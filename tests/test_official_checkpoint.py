@@ -4,7 +4,10 @@ tests/data/official/<geometry>/ holds a tiny random Llama target (RoPE theta 500
 drafter in both release layouts (written by their `save_pretrained` and their
 `vllm/convert_checkpoint.py`) and the logits their forward gives with the first P tokens verified
 and the rest teacher-forced drafts, for TLI 0 and 1 (scripts/make_official_fixtures.py: commit
-eb554aa, transformers 4.45.2, how to rerun). Geometry `lsa64` has LSA heads of 64, `lsa32` of 32.
+eb554aa, transformers 4.45.2, how to rerun). Geometry `lsa64` has LSA heads of 64, `lsa32` of 32;
+`lsa64_llama3` is lsa64 on a target with Llama-3.1-style RoPE scaling (`llama3`, factor 8,
+original length 16, 18 verified tokens and drafts at positions 18..23), which their SA applies
+and their CA and LSA do not (the script checks both under 4.45.2).
 The converted drafter drafts through the standalone engine's proposer (`MoAProposer`), the path
 inference runs, and must give their rows P..T-1.
 
@@ -12,9 +15,10 @@ Tolerance: both sides compute in float32 on the same bfloat16-valued weights and
 operation order (fused SDPA against their matmul-softmax, where the RoPE tables are built, how
 GQA heads are repeated). float32 rounds at 6e-8 relative; about ten dependent stages (LSA, mean,
 Ekv2E, SA, CA, their MLPs, TLI's target layer, the LM head), each a sum of at most 128 products,
-keep the error near 1e-6 on logits of at most 5: observed 1.9e-6 at most (their own inference
-class and training forward differ by 1.4e-6 on these fixtures). ATOL 1e-4 leaves a 50x margin,
-and each control below moves some logit by 0.036 to 2.6, at least 360x ATOL.
+keep the error near 1e-6 on logits of at most 5.5: observed 2.3e-6 at most (1.6e-6 on
+lsa64_llama3; their own inference class and training forward differ by 1.4e-6 on these
+fixtures). ATOL 1e-4 leaves a 40x margin, and each control below moves some logit by 0.036 to
+2.6 (dropping the RoPE scaling: 0.86 to 1.2), at least 360x ATOL.
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from vllm_moa.hf_target import HFTarget
 from vllm_moa.hf_target.info import load_target_info
 
 DATA = Path(__file__).parent / "data" / "official"
-GEOMETRIES = ("lsa64", "lsa32")
+SCALED = "lsa64_llama3"  # lsa64 on a target with Llama-3.1-style RoPE scaling
+GEOMETRIES = ("lsa64", "lsa32", SCALED)
 LAYOUTS = ("release_training", "release_moa_spec")
 ATOL = 1e-4
 CONTROL_MARGIN = 100 * ATOL  # a control must move some logit by at least this
@@ -53,12 +58,15 @@ def _convert(tmp_path: Path, geometry: str, layout: str, tli: int, with_target: 
     return convert_official(DATA / geometry / layout, tmp_path / f"{layout}_{tli}", options)
 
 
-def _drafted_logits(drafter: MoADrafter, geometry: str) -> torch.Tensor:
+def _drafted_logits(
+    drafter: MoADrafter, geometry: str, target_dir: Path | None = None
+) -> torch.Tensor:
     """The proposer's logits [T - P, V] for rows P..T-1: prefill on the P verified tokens, then
-    one chain of teacher-forced drafts from token P."""
+    one chain of teacher-forced drafts from token P (on the fixture's target by default)."""
     golden, manifest = _golden(geometry)
     ids, p = golden["input_ids"].tolist(), manifest["verified"]
-    target = HFTarget.from_pretrained(DATA / geometry / "target", dtype=torch.float32)
+    target_dir = target_dir or DATA / geometry / "target"
+    target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)
     proposer = MoAProposer(drafter.float(), target)
     proposer.start(ids[:p], target.forward(torch.tensor(ids[:p])))
     proposal = proposer.propose(ids[p], len(ids) - p, SamplingParams(), None, forced=ids[p + 1 :])
@@ -80,24 +88,31 @@ def test_converted_release_drafts_their_logits(tmp_path, geometry, layout, tli):
     assert c.lsa_width // c.lsa_num_heads == manifest["lsa_head_size"]
     assert c.lsa_num_kv_heads == g["lsa_kv_heads"] and c.sa_num_kv_heads == g["token_kv_heads"]
     assert c.rope_theta == c.lsa_rope_theta == manifest["rope_theta"] and c.tli == tli
+    assert c.sa_rope_scaling == manifest.get("rope_scaling")  # SA only, as their training code
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"  # kept
     expected = golden[f"logits_tli{tli}"][manifest["verified"] :]
     torch.testing.assert_close(_drafted_logits(drafter, geometry), expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("geometry", GEOMETRIES)
-def test_full_sequence_forward_matches_every_row(tmp_path, geometry):
-    """TLI 0, all T rows: the training-time forward with their memory mask (row i sees memory
-    rows j <= min(i, P-1)), prompt rows included."""
+def _full_sequence_logits(drafter: MoADrafter, geometry: str) -> torch.Tensor:
+    """TLI 0 logits [T, V] of the training-time forward with their memory mask (row i sees
+    memory rows j <= min(i, P-1)), on the fixture's target."""
     golden, manifest = _golden(geometry)
-    drafter = load_drafter(_convert(tmp_path, geometry, LAYOUTS[0], 0, False), dtype=torch.float32)
     target = HFTarget.from_pretrained(DATA / geometry / "target", dtype=torch.float32)
     ids = golden["input_ids"]
     features = target.forward_batch(ids[None]).layer_kv  # [1, T, L, 2*E_kv]
     limit = torch.arange(len(ids)).clamp(max=manifest["verified"] - 1) + 1
     with torch.no_grad():
         predicted = drafter(target.embed(ids)[None], features, limit)
-    logits = target.lm_logits(predicted[0])
+    return target.lm_logits(predicted[0])
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES)
+def test_full_sequence_forward_matches_every_row(tmp_path, geometry):
+    """TLI 0, all T rows, prompt rows included."""
+    golden, _ = _golden(geometry)
+    drafter = load_drafter(_convert(tmp_path, geometry, LAYOUTS[0], 0, False), dtype=torch.float32)
+    logits = _full_sequence_logits(drafter, geometry)
     torch.testing.assert_close(logits, golden["logits_tli0"], atol=ATOL, rtol=0)
 
 
@@ -125,6 +140,44 @@ def test_controls_fail(tmp_path, geometry, tli, changes):
     bad = _drafted_logits(_with(drafter, **changes), geometry)
     expected = golden[f"logits_tli{tli}"][manifest["verified"] :]
     assert (bad - expected).abs().max() > CONTROL_MARGIN
+
+
+def _unscaled_copy(tmp_path: Path, name: str) -> Path:
+    """A copy of the rope-scaled fixture's `name` directory with `rope_scaling` null."""
+    dst = tmp_path / f"unscaled_{name}"
+    shutil.copytree(DATA / SCALED / name, dst)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+    config["rope_scaling"] = None
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.parametrize(("layout", "tli"), [(LAYOUTS[0], 0), (LAYOUTS[1], 1)])
+def test_rope_scaled_release_with_the_scaling_stripped_fails(tmp_path, layout, tli):
+    """Control for the rope-scaled fixture: the same release and target with `rope_scaling`
+    stripped from their config.json convert to an unscaled drafter, which misses their logits."""
+    golden, manifest = _golden(SCALED)
+    target_dir = _unscaled_copy(tmp_path, "target")
+    release = _unscaled_copy(tmp_path, layout)
+    target = load_target_info(target_dir) if layout == LAYOUTS[1] else None
+    out = convert_official(release, tmp_path / "out", ConvertOptions(tli=tli, target=target))
+    drafter = load_drafter(out)
+    assert drafter.config.sa_rope_scaling is None
+    bad = _drafted_logits(drafter, SCALED, target_dir)
+    expected = golden[f"logits_tli{tli}"][manifest["verified"] :]
+    assert (bad - expected).abs().max() > CONTROL_MARGIN
+
+
+def test_rope_scaled_release_needs_the_scaling_in_sa(tmp_path):
+    """Control, SA alone: the converted drafter with SA's scaling dropped (CA, LSA and the
+    target as converted) misses their rows, so the golden logits carry their SA's scaling."""
+    golden, manifest = _golden(SCALED)
+    drafter = load_drafter(_convert(tmp_path, SCALED, LAYOUTS[0], 0, False), dtype=torch.float32)
+    assert drafter.config.sa_rope_scaling is not None
+    bad = _full_sequence_logits(_with(drafter, sa_rope_scaling=None), SCALED)
+    p = manifest["verified"]
+    assert (bad[p:] - golden["logits_tli0"][p:]).abs().max() > CONTROL_MARGIN
 
 
 def _edited_release(tmp_path: Path, layout: str = LAYOUTS[1], **config_changes) -> Path:

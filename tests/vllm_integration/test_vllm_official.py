@@ -1,9 +1,10 @@
 """A drafter released by the MoA authors, converted by `vllm-moa convert-official`, served by
-vLLM: the published (moa_spec) layout of the golden fixture made with the authors' own code
-(tests/data/official/lsa64: a 3-layer target with heads of 32, rope_theta 500000), converted
-for TLI 0 and 1, gives plain decoding's greedy output in vLLM, and every chain vLLM drafts
-equals the standalone proposer's at its context (the random release lands few drafts: the
-chain check, not acceptance, is what shows the converted drafter runs as converted)."""
+vLLM: the published (moa_spec) layout of the golden fixtures made with the authors' own code
+(tests/data/official/lsa64: a 3-layer target with heads of 32, rope_theta 500000; lsa64_llama3:
+the same with Llama-3.1's RoPE scaling past position 16, which the drafter's SA applies),
+converted for TLI 0 and 1, gives plain decoding's greedy output in vLLM, and every chain vLLM
+drafts equals the standalone proposer's at its context (the random release lands few drafts:
+the chain check, not acceptance, shows the converted drafter runs as converted)."""
 
 from __future__ import annotations
 
@@ -17,18 +18,20 @@ from tests.vllm_integration.test_vllm_offline import _reference_chains
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-FIXTURE = Path(__file__).resolve().parents[1] / "data" / "official" / "lsa64"
+FIXTURES = Path(__file__).resolve().parents[1] / "data" / "official"
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29], [2, 4, 8, 16, 32, 3, 6], [7, 7, 7, 11, 11, 11]]
 
 
 @pytest.mark.parametrize("tli", [0, 1])
-def test_a_converted_release_serves_in_vllm(tmp_path, monkeypatch, tli):
+@pytest.mark.parametrize("geometry", ["lsa64", "lsa64_llama3"])  # the latter: llama3 RoPE scaling
+def test_a_converted_release_serves_in_vllm(tmp_path, monkeypatch, geometry, tli):
     from vllm_moa.checkpoint import ConvertOptions, convert_official
     from vllm_moa.hf_target import load_target_info
 
-    target = FIXTURE / "target"
+    fixture = FIXTURES / geometry
+    target = fixture / "target"
     options = ConvertOptions(tli=tli, target=load_target_info(target))
-    drafter = convert_official(FIXTURE / "release_moa_spec", tmp_path / "drafter", options)
+    drafter = convert_official(fixture / "release_moa_spec", tmp_path / "drafter", options)
     limits = {"max_model_len": 64, "skip_tokenizer_init": True}
     requests = [{"prompt_token_ids": p} for p in PROMPTS]
     plain = make_llm(target, **limits)
