@@ -607,3 +607,34 @@ def test_a_client_alone_stops_at_the_context_while_the_server_stays_away(pair, m
         assert links > 2  # it kept trying between chunks
     finally:
         server.stop()
+
+
+def test_remote_greedy_on_a_rope_scaled_target(tmp_path):
+    """Client-server on a Llama-3.1-style target (llama3 RoPE scaling, positions past the
+    original 16): the device's drafter records the target's scaling and applies it in its SA,
+    and the remote output equals plain decoding (TLI 0 and 1, the oracle's drafts landing)."""
+    from tests.test_rope_scaling import LLAMA3, THETA
+    from tests.test_rope_scaling import make_drafter as scaled_drafter
+
+    model = make_hf_model(
+        "llama", num_layers=3, max_positions=256, seed=3, logit_scale=4.0,
+        rope_parameters={"rope_theta": THETA, **LLAMA3},
+    )  # fmt: skip
+    model.save_pretrained(tmp_path / "target")
+    target = HFTarget(model)
+    engine = SpeculativeEngine(HFTarget.from_pretrained(tmp_path / "target"))
+    expected = engine.generate(PROMPT, 40).token_ids
+    for tli in (0, 1):
+        drafter_dir = save_drafter(scaled_drafter(target, tli=tli, seed=tli), tmp_path / f"d{tli}")
+        server = RunningServer(tmp_path / "target", drafter_dir)
+        try:
+            client = RemoteClient(server.address, tmp_path / "target", drafter_dir)
+            proposer = client.proposer
+            assert isinstance(proposer, DeviceMoAProposer)
+            assert proposer.drafter.config.sa_rope_scaling == LLAMA3
+            _oracle(client, tmp_path / "target")
+            result = client.generate(PROMPT, 40, num_speculative_tokens=4)
+            assert result.token_ids == expected, f"TLI={tli}"
+            assert result.mean_accepted_length > 1.5, result
+        finally:
+            server.stop()
