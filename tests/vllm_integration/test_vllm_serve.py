@@ -8,7 +8,9 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextmanager
+def serving(cmd: list[str], env: dict[str, str], log: Path, wait: float = 240) -> Iterator[str]:
+    """`vllm serve ...` (`cmd`) started with `env`, output in `log`; yields its base URL once
+    /health answers, and stops it after."""
+    port = cmd[cmd.index("--port") + 1]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(1)
+        else:
+            pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 @pytest.fixture(scope="module")
 def server(moa_pair, tmp_path_factory):
     port = _free_port()
@@ -33,29 +65,8 @@ def server(moa_pair, tmp_path_factory):
         "--dtype", "float32", "--max-model-len", "512",  # default mode: compiled target
         "--spec-method", "moa", "--spec-model", str(moa_pair["tli0"]), "--spec-tokens", "4",
     ]  # fmt: skip
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
-    yield base
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with serving(cmd, {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}, log) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

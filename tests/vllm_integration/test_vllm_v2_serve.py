@@ -5,16 +5,14 @@ OpenAI client gets plain greedy decoding's text and the server's metrics count a
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tests.vllm_integration import v2_on_cpu
-from tests.vllm_integration.test_vllm_serve import _free_port
+from tests.vllm_integration.test_vllm_serve import _free_port, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,33 +31,12 @@ def test_vllm_serve_on_v2_with_the_openai_client(moa_pair, tmp_path):
         "--spec-method", "moa", "--spec-model", str(moa_pair["tli1"]), "--spec-tokens", "4",
     ]  # fmt: skip
     env = {**os.environ, **v2_on_cpu.env(VLLM_CPU_KVCACHE_SPACE="1")}
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1)
-        else:
-            pytest.fail(f"vllm serve did not become healthy:\n{log.read_text()[-4000:]}")
+    with serving(cmd, env, log, wait=300) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
         prompt = "def fibonacci(n):\n"
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0)
         with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
             metrics = r.read().decode()
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     text = log.read_text()
     assert "MoA runs on vLLM's V2 model runner" in text, "the engine core did not run V2"
     tok = AutoTokenizer.from_pretrained(moa_pair["target"])

@@ -35,6 +35,7 @@ from vllm_moa.vllm_plugin.pages import DrafterPages
 from vllm_moa.vllm_plugin.patches import LOGGER_NAME
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 from vllm_moa.vllm_plugin.tensor_parallel import gather_kv_heads
+from vllm_moa.vllm_plugin.uploads import upload
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -102,7 +103,9 @@ class MoADraftCore:
             vllm_config=vllm_config,
         )
         self.layout: CacheLayout | None = None  # set once vLLM has planned the KV caches
-        self._group_cache: tuple[tuple[int, int], list[tuple[int, int]]] | None = None
+        self._group_cache: tuple[tuple[int, int], list[tuple[int, int]], dict[int, str]] | None = (
+            None
+        )
         self.stores: dict[str, PagedKV] | None = None
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
@@ -161,12 +164,22 @@ class MoADraftCore:
         """Every KV-cache group the core reads or writes (target layers and pages), in order."""
         return self._groups()[1]
 
-    def _groups(self) -> tuple[tuple[int, int], list[tuple[int, int]]]:
-        """(page group, every group), worked out once from the layout (the hot path asks)."""
+    @property
+    def group_layer(self) -> dict[int, str]:
+        """A layer of each KV-cache group the core touches (whose slot mapping is the group's)."""
+        return self._groups()[2]
+
+    def _groups(self) -> tuple[tuple[int, int], list[tuple[int, int]], dict[int, str]]:
+        """(page group, every group, a layer of each), worked out once from the layout (the hot
+        path asks every step)."""
         if self._group_cache is None:
             (page,) = {self.group_of(name) for name in self.pages.layer_names}
             names = self.target.layer_names + self.pages.layer_names
-            self._group_cache = (page, sorted({self.group_of(name) for name in names}))
+            first: dict[int, str] = {}
+            for name in names:
+                first.setdefault(self.group_of(name)[0], name)
+            groups = sorted({self.group_of(name) for name in names})
+            self._group_cache = (page, groups, first)
         return self._group_cache
 
     @property
@@ -292,7 +305,7 @@ class MoADraftCore:
             table = inputs.block_tables[group]
             slots = draft_slots(positions, inputs.ends, table, block_size)
             common = CommonAttentionMetadata(
-                query_start_loc=starts.to(self.device, non_blocking=True),
+                query_start_loc=upload(starts, self.device),  # pinned: no host stall
                 query_start_loc_cpu=starts,
                 seq_lens=lens,
                 num_reqs=rows,

@@ -182,9 +182,7 @@ def step_views(
     batch to draft for (device tensors; only host values are read on the host)."""
     num_reqs, num_tokens = input_batch.num_reqs, input_batch.num_tokens
     groups = core.groups
-    first_layer: dict[int, str] = {}
-    for name in core.target.layer_names + core.pages.layer_names:
-        first_layer.setdefault(core.group_of(name)[0], name)
+    first_layer = core.group_layer
     rows = PageRows(
         token_ids=input_batch.input_ids[:num_tokens],
         positions=input_batch.positions[:num_tokens],
