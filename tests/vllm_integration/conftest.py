@@ -113,6 +113,19 @@ def eagle_drafter(moa_pair) -> Path:
     return run / "drafter"
 
 
+@pytest.fixture(scope="session")
+def random_drafter(moa_pair, tmp_path_factory) -> Path:
+    """A MoA drafter of random weights for the test target: it (almost) never matches."""
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.hf_target import load_target_info
+    from vllm_moa.model.presets import make_config
+
+    drafter = MoADrafter(make_config(load_target_info(moa_pair["target"]), preset="small"))
+    drafter.init_weights(seed=11)
+    return save_drafter(drafter, tmp_path_factory.mktemp("random") / "drafter")
+
+
 def make_llm(target: Path, drafter: Path | None = None, k: int = 4, method: str = "moa", **kwargs):
     from vllm import LLM
 

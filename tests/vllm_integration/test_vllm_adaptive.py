@@ -52,18 +52,6 @@ def plain(moa_pair):
     return out
 
 
-@pytest.fixture(scope="module")
-def random_drafter(moa_pair, tmp_path_factory):
-    from vllm_moa.checkpoint import save_drafter
-    from vllm_moa.drafters.moa.model import MoADrafter
-    from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.presets import make_config
-
-    drafter = MoADrafter(make_config(load_target_info(moa_pair["target"]), preset="small"))
-    drafter.init_weights(seed=11)
-    return save_drafter(drafter, tmp_path_factory.mktemp("random") / "drafter")
-
-
 def drafting(moa_pair, drafter, plain, **spec_keys) -> tuple[float, int]:
     """(draft tokens per generated token, accepted tokens) for 20 concurrent greedy requests,
     after checking the outputs equal plain decoding."""

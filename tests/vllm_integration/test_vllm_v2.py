@@ -23,7 +23,8 @@ from vllm_moa.vllm_plugin import patches
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 # Runs engines one after another in one process: {"target", "prompts", "runs": [{"spec",
-# "trace", "kwargs", "params", "repeat"}]} -> per run its outputs (per pass) and metrics.
+# "trace", "env", "setup", "kwargs", "params", "repeat"}]} -> per run its outputs (per pass) and
+# metrics; "env" is set and "setup" (Python) run before the run's engine starts.
 SCRIPT = """
 import gc, json, os, sys
 from vllm import LLM, SamplingParams
@@ -33,6 +34,8 @@ for run in args["runs"]:
     os.environ.pop("VLLM_MOA_TRACE", None)
     if run.get("trace"):
         os.environ["VLLM_MOA_TRACE"] = run["trace"]
+    os.environ.update(run.get("env", {}))
+    exec(run.get("setup", ""))
     kwargs = {"max_model_len": 512, **run.get("kwargs", {})}
     llm = LLM(model=args["target"], dtype="float32", enforce_eager=True, seed=0,
               speculative_config=run.get("spec"), disable_log_stats=False, **kwargs)
@@ -354,3 +357,49 @@ def test_v2_honours_the_batch_size_schedule(moa_pair, tmp_path):
     assert_chains_are_the_standalone_proposers(
         moa_pair["target"], moa_pair["tli0"], trace, 4, 4 * 4
     )
+
+
+# The V2 speculator's cost model with its measurements replaced: a draft step 1/100 of a target
+# step (the interpreted V2 target is slow, so measured costs would favour drafting anyway).
+CHEAP_DRAFTS = """
+import vllm_moa.vllm_plugin.draft_steps as draft_steps
+from vllm_moa.decoding.adaptive import StepCosts
+class CheapDrafts(StepCosts):
+    def observe_draft(self, steps, seconds, drafts=None, rows=0):
+        super().observe_draft(1, 0.0002)
+    def observe_verify(self, tokens, seconds):
+        super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
+draft_steps.StepCosts = CheapDrafts
+"""
+
+
+def test_v2_adaptive_speculation(moa_pair, random_drafter, tmp_path):
+    """The default mode on V2 (adaptive: the batch's draft steps m chosen per step, padding past
+    them): outputs equal plain decoding; with drafting made cheap the test pair's drafts land
+    and every chain drafted equals the standalone proposer's (as far as it goes); a drafter that
+    never matches mostly stops drafting (control: the same engine at a fixed K drafts K every
+    step)."""
+    prompts = encode(moa_pair["target"], PROMPTS[:6])
+    params = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
+    on = {"VLLM_MOA_ADAPTIVE": "1"}
+    runs = [
+        {"params": params},
+        {"spec": moa(random_drafter), "trace": str(tmp_path / "useless.jsonl"), "env": on,
+         "params": params},
+        {"spec": moa(moa_pair["tli0"]), "trace": str(tmp_path / "cheap.jsonl"), "env": on,
+         "setup": CHEAP_DRAFTS, "params": params},
+    ]  # fmt: skip
+    (plain, useless, cheap), log = run_v2(moa_pair["target"], prompts, runs)
+    assert "adaptive: draft steps chosen per step" in log
+    assert useless["passes"] == plain["passes"]
+    assert cheap["passes"] == plain["passes"]
+    request_steps = 6 * 48  # at most: one per generated token
+    chains = [len(c) for c in traced_chains(tmp_path / "useless.jsonl").values()]
+    assert len(chains) < 0.5 * request_steps, f"{len(chains)} request-steps drafted of <= 288"
+    landed = traced_chains(tmp_path / "cheap.jsonl")
+    assert len(landed) >= 6 * 20, f"only {len(landed)} request-steps drafted"
+    assert cheap["metrics"]["vllm:spec_decode_num_accepted_tokens"] >= 10
+    assert_chains_are_the_standalone_proposers(
+        moa_pair["target"], moa_pair["tli0"], tmp_path / "cheap.jsonl", 4, 6 * 20
+    )
+    print(f"useless drafter: {len(chains)} request-steps drafted; cheap: {len(landed)}")

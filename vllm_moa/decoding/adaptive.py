@@ -651,6 +651,23 @@ class AdaptiveLengths:
             self.chosen[k] += 1
         return ks
 
+    def choose_steps(self, trackers: list[AcceptanceTracker], k: int, verify_tokens: int) -> int:
+        """Draft steps for the whole batch where every request verifies `k` slots whatever is
+        drafted (vLLM's V2 runner schedules them before the drafts exist; slots past the drafts
+        hold padding): the m of `best_draft_steps`, `k` until the costs are known, and a probe
+        (one step) now and then while it drafts nothing. `verify_tokens`: the next verify
+        step's tokens. No guard: a wrong verify-time estimate scales every m's cost alike."""
+        if not trackers or k <= 0:
+            return 0
+        assert self.prior is not None
+        self.prior.step()
+        n = len(trackers)
+        verify = self.costs.verify_time(verify_tokens) if self.costs.known else 0.0
+        m = best_draft_steps(trackers, k, verify, self.costs)[0] if self.costs.known else k
+        m = max(self.probes.apply([m] * n, [k] * n, None, verify))
+        self.chosen[m] += n
+        return m
+
     def observe_step(self, batch: int, seconds: float, predicted: float, tokens: int) -> None:
         """The step that verified the last `choose`, of `batch` requests: `seconds` for its
         verify and the draft phase before it, what the cost model predicted for them before it
@@ -669,6 +686,26 @@ class AdaptiveLengths:
             f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token; steps whose "
             f"drafts were vetoed by measurement {self.guard.vetoed}"
         )
+
+
+def best_draft_steps(
+    trackers: list[AcceptanceTracker], k: int, verify: float, costs: StepCosts
+) -> tuple[int, float]:
+    """The number of draft steps m (0..k) for a batch whose requests each verify k slots
+    whatever is drafted (vLLM's V2 runner): m maximises the expected tokens per second,
+    sum_r E_r(m) / (verify + c + d * m + e * B * m), `verify` being the verify step's seconds
+    (the same for every m). Returns m and its rate over drafting nothing (1.0 at m = 0). A
+    useless drafter (E_r(m) about 1) ends at 0: the slots are still verified, but no draft
+    step is paid."""
+    n = len(trackers)
+    plain = best = n / max(verify, 1e-12)
+    best_m = 0
+    for m in range(1, k + 1):
+        expected = sum(t.expected_tokens(m) for t in trackers)
+        rate = expected / max(verify + costs.draft_time(m, n * m), 1e-12)
+        if rate > best * (1.0 + 1e-9):
+            best_m, best = m, rate
+    return best_m, best / plain
 
 
 def _best_lengths(

@@ -17,20 +17,26 @@ construction. Then K draft steps run for the whole batch from each request's las
 token; a request in a partial prefill chunk (`num_sampled == 0`) writes no draft slot and its
 drafts are ignored by the scheduler.
 
-Per-request adaptive lengths (decoding/adaptive.py) are not expressed on V2 yet: every request
-drafts K (docs/vllm_v2.md says what remains).
+Adaptive speculation (on unless "moa_adaptive": false or VLLM_MOA_ADAPTIVE=0): V2 verifies the
+K scheduled slots of every request whatever is drafted, so what adaptive speculation chooses here
+is the number of draft steps m <= K the batch runs (draft_steps.py); the slots past them hold
+padding (the last draft, or the last sampled token at m = 0), verified like any draft.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import time
 from typing import Any
 
 import torch
 from torch import nn
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
+from vllm_moa.decoding.adaptive import adaptive_enabled
+from vllm_moa.vllm_plugin.draft_steps import DraftSteps
 from vllm_moa.vllm_plugin.drafting import (
     TRACE_ENV,
     CacheLayout,
@@ -91,9 +97,14 @@ class MoASpeculator(DraftModelSpeculator):
         self.supports_decode_metadata_update = False
         self.core: MoADraftCore | None = None
         self.req_states = req_states  # the runner's request states: read by tracing only
+        adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
+        k = self.num_speculative_steps
+        self.adaptive = DraftSteps(k, device, self.tp) if adaptive else None
+        self._summary_logged = time.monotonic()
         logger.info(
-            "MoA runs on vLLM's V2 model runner (K=%d; adaptive lengths not on V2 yet: fixed K)",
+            "MoA runs on vLLM's V2 model runner (K=%d, %s)",
             self.num_speculative_steps,
+            "adaptive: draft steps chosen per step" if adaptive else "fixed K",
         )
 
     # -- start-up ------------------------------------------------------------------------------
@@ -161,9 +172,31 @@ class MoASpeculator(DraftModelSpeculator):
             self.block_tables.input_block_tables, steps, self.model_len,
         )  # fmt: skip
         core.write_rows(rows)
-        drafts[:, :steps] = core.draft(inputs)
-        if os.environ.get(TRACE_ENV):
-            trace_drafts(self.req_states, input_batch, inputs, drafts[:, :steps], num_sampled)
+        adaptive = self.adaptive
+        m = steps
+        if adaptive is not None:
+            adaptive.begin(
+                input_batch.req_ids, input_batch.num_draft_tokens_per_req,
+                input_batch.num_tokens, bool(input_batch.has_prefill), num_rejected,
+            )  # fmt: skip
+            m = adaptive.choose(steps)
+            if m < steps:
+                inputs = dataclasses.replace(
+                    inputs, ends=inputs.ends.clamp(max=inputs.positions + m), steps=m
+                )
+        if m:
+            drafts[:, :m] = core.draft(inputs)
+        # Slots past the drafts (adaptive speculation) hold padding: verified like any draft.
+        drafts[:, m:steps] = (drafts[:, m - 1 : m] if m else inputs.tokens[:, None]).expand(
+            -1, steps - m
+        )
+        if adaptive is not None:
+            adaptive.end()
+            if time.monotonic() - self._summary_logged > 30.0:
+                self._summary_logged = time.monotonic()
+                logger.info("MoA adaptive speculation (V2): %s", adaptive.summary())
+        if os.environ.get(TRACE_ENV) and m:
+            trace_drafts(self.req_states, input_batch, inputs, drafts[:, :m], num_sampled)
         return drafts
 
 

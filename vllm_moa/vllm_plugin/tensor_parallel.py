@@ -35,3 +35,15 @@ def same_on_every_rank(values: list[int]) -> list[int]:
     group = get_tp_group()
     tensor = torch.tensor(values, dtype=torch.int64, device=group.device)
     return [int(v) for v in group.broadcast(tensor, src=0).tolist()]
+
+
+def rank0_value(value: int) -> int:
+    """Rank 0's `value` on every rank of the tensor-parallel group, over its CPU group: no
+    device synchronisation (the V2 speculator's choice of draft steps)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    box = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(box, src=group.ranks[0], group=group.cpu_group)
+    return int(box[0])

@@ -353,6 +353,18 @@ SYMBOLS: tuple[Symbol, ...] = (
         "instance-attribute",
         used_by="tensor_parallel",
     ),
+    Symbol(
+        "vllm/distributed/parallel_state.py",
+        "GroupCoordinator.cpu_group",
+        "instance-attribute",
+        used_by="tensor_parallel",
+    ),
+    Symbol(
+        "vllm/distributed/parallel_state.py",
+        "GroupCoordinator.ranks",
+        "instance-attribute",
+        used_by="tensor_parallel",
+    ),
     Symbol("vllm/distributed/parallel_state.py", "get_tp_group", "function", (), "tensor_parallel"),
     Symbol(
         "vllm/forward_context.py",
@@ -1080,6 +1092,24 @@ SYMBOLS: tuple[Symbol, ...] = (
         used_by="speculator (tracing)",
     ),
     # The V2 runner's InputBatch (a dataclass), as step_views reads it.
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.has_prefill",
+        "dataclass-field",
+        used_by="speculator (adaptive)",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.num_draft_tokens_per_req",
+        "dataclass-field",
+        used_by="speculator (adaptive)",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/input_batch.py",
+        "InputBatch.req_ids",
+        "dataclass-field",
+        used_by="speculator (adaptive)",
+    ),
     Symbol(
         "vllm/v1/worker/gpu/input_batch.py",
         "InputBatch.idx_mapping",
