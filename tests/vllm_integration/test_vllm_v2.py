@@ -305,8 +305,9 @@ def sharded_pair(moa_pair, tmp_path_factory) -> dict[str, Path]:
 
 def test_v2_tensor_parallel_with_sharded_kv_heads(sharded_pair, tmp_path):
     """TP=2 on V2 (two worker processes, each with the harness from start-up) over a target
-    whose KV heads are sharded: outputs equal plain TP=2 decoding on V2, and every chain either
-    rank drafts equals the standalone proposer's (fp32, unsharded) at its context."""
+    whose KV heads are sharded, in the default adaptive mode (rank 0's choice of draft steps on
+    both ranks): outputs equal plain TP=2 decoding on V2, and every chain either rank drafts
+    equals the standalone proposer's (fp32, unsharded) at its context."""
     prompts = encode(sharded_pair["target"], PROMPTS[:4])
     script = """
 import json, sys
@@ -324,8 +325,9 @@ print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outs]))
     plain, _ = run_script(script, json.dumps(job), env=env)
     trace = tmp_path / "trace.jsonl"
     job["spec"] = moa(sharded_pair["drafter"], 3)
-    got, log = run_script(script, json.dumps(job), env={**env, "VLLM_MOA_TRACE": str(trace)})
-    assert "MoA runs on vLLM's V2 model runner" in log
+    adaptive = {"VLLM_MOA_TRACE": str(trace), "VLLM_MOA_ADAPTIVE": "1"}
+    got, log = run_script(script, json.dumps(job), env={**env, **adaptive})
+    assert "MoA runs on vLLM's V2 model runner (K=3, adaptive" in log
     assert got == plain
     assert_chains_are_the_standalone_proposers(
         sharded_pair["target"], sharded_pair["drafter"], trace, 3, 4 * 3
