@@ -8,4 +8,5 @@ bash scripts/setup.sh
 .venv/bin/mypy
 # pytest exits 5 when it collects nothing: that fails here too, as it should. `-m ""` lifts the
 # default `-m 'not slow'` of pyproject.toml (a plain `pytest` is the fast local loop).
-.venv/bin/python -m pytest -m "" "$@"
+# Every optional test dependency is installed here: a missing one fails (tests/deps.py).
+VLLM_MOA_TEST_REQUIRE_ALL=1 .venv/bin/python -m pytest -m "" "$@"

@@ -8,11 +8,13 @@ wrong mask (which moves outputs by O(1))."""
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.deps import need
 
-from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref
-from vllm_moa.kernels.paged_layer_kv import paged_layer_kv, paged_layer_kv_ref
-from vllm_moa.kernels.tree_attention import tree_attention, tree_attention_ref
+need("triton")
+
+from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref  # noqa: E402
+from vllm_moa.kernels.paged_layer_kv import paged_layer_kv, paged_layer_kv_ref  # noqa: E402
+from vllm_moa.kernels.tree_attention import tree_attention, tree_attention_ref  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -114,7 +116,7 @@ def test_vllm_gather_uses_the_paged_kernel_when_enabled(monkeypatch):
     """kv_reader.gather_layer_kv (the vLLM proposer's LSA read) launches the kernel once for all
     layers of a channel-split backend when kernels are on, and returns what the per-layer PyTorch
     gather returns."""
-    pytest.importorskip("vllm")
+    need("vllm")
     import vllm_moa.kernels.paged_layer_kv as kernel_module
     from vllm_moa.vllm_plugin.kv_reader import gather_layer_kv
 

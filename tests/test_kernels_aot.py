@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from tests.deps import need
+
+need("triton")
 ROOT = Path(__file__).resolve().parents[1]
 
 

