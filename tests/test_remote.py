@@ -638,3 +638,42 @@ def test_remote_greedy_on_a_rope_scaled_target(tmp_path):
             assert result.mean_accepted_length > 1.5, result
         finally:
             server.stop()
+
+
+def test_adaptive_chains_stop_for_a_useless_drafter_and_stay_lossless(pair, plain, monkeypatch):
+    """The client's default mode (adaptive chain lengths, the rule of the engine and the vLLM
+    plugin): greedy output equals plain decoding either way; the test pair's random MoA drafter
+    lands almost nothing, so after a few cycles the client drafts far fewer tokens than at a
+    fixed K (the control: `adaptive=False` drafts K a cycle); the oracle drafter, whose drafts
+    land, keeps drafting."""
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
+    server = RunningServer(pair["target"], pair["moa0"])
+    try:
+        client = RemoteClient(server.address, pair["target"], pair["moa0"])
+        fixed = client.generate(PROMPT, 60, num_speculative_tokens=4, adaptive=False)
+        assert fixed.drafted_tokens >= 4 * (fixed.cycles - 4)  # K a cycle, less at the end
+        for _ in range(2):  # the rule is kept across calls, as a served engine keeps it
+            adaptive = client.generate(PROMPT, 60, num_speculative_tokens=4)
+            assert adaptive.token_ids == fixed.token_ids == plain(PROMPT, 60)
+        assert adaptive.drafted_tokens < 0.3 * fixed.drafted_tokens, (adaptive, fixed)
+        # The oracle's drafts run a full copy of the target (a test crutch), so measured costs
+        # would rightly stop it: its costs are injected (a draft step 1/20 of a round trip).
+        import vllm_moa.remote.client as client_module
+        from vllm_moa.decoding.adaptive import DraftGuard, StepCosts
+
+        class CheapDrafts(StepCosts):
+            def observe_draft(self, steps, seconds, drafts=None, rows=0):  # type: ignore[no-untyped-def]
+                super().observe_draft(1, 0.001)
+
+            def observe_verify(self, tokens, seconds):  # type: ignore[no-untyped-def]
+                super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
+
+        monkeypatch.setattr(client_module, "StepCosts", CheapDrafts)
+        monkeypatch.setattr(client_module, "DraftGuard", lambda: DraftGuard(enabled=False))
+        oracle = RemoteClient(server.address, pair["target"], pair["moa0"])
+        _oracle(oracle, pair["target"])
+        landed = oracle.generate(PROMPT, 60, num_speculative_tokens=4)
+        assert landed.token_ids == fixed.token_ids
+        assert landed.drafted_tokens > 2 * landed.cycles and landed.mean_accepted_length > 1.5
+    finally:
+        server.stop()

@@ -279,6 +279,7 @@ def remote_generate(args: argparse.Namespace) -> int:
         disconnect_after=args.disconnect_after,
         reconnect_every=args.reconnect_every,
         private_suffix=private,
+        adaptive=args.adaptive,
     )
     record = {
         "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),

@@ -92,6 +92,13 @@ def _add_generation_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tree-breadth", type=positive_int, default=None, help="top-B per depth (8)")
     p.add_argument("--tree-tokens", type=positive_int, default=None, help="tree nodes (62)")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--adaptive",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="choose each cycle's chain length (0..K) from acceptance and measured costs "
+        "(default); --no-adaptive: always K",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -118,13 +125,6 @@ def build_parser() -> argparse.ArgumentParser:
         "to decode plainly",
     )
     _add_generation_flags(p)
-    p.add_argument(
-        "--adaptive",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="choose each cycle's draft length (0..K) from acceptance and measured costs "
-        "(default); --no-adaptive: always K",
-    )
     p.add_argument(
         "--hierarchy",
         default=None,

@@ -6,6 +6,13 @@ server answers with the tokens it accepted, its next token and the activation ro
 the drafter in step. Drafts are the drafter's greedy (top-k for trees) choices at any
 temperature: the server verifies them as point masses, which is lossless.
 
+Chains are adaptive by default (`adaptive=False` or VLLM_MOA_ADAPTIVE=0: always K): each cycle
+drafts as many tokens (0 included) as the measured acceptance and costs say pay, by the rule the
+standalone engine and the vLLM plugin use (`decoding/adaptive.py`'s `AdaptiveLengths`, kept by
+the client across its calls as an engine keeps it). Here the verify step is the round trip to
+the server (the network, the server's target pass, absorbing its rows), so a slow link makes
+long chains pay and a useless drafter stops drafting. Trees are not adapted.
+
 When the server becomes unreachable (an error on the socket, a timeout, or
 `disconnect_after` tokens), the client finishes the response alone: the drafter continues from
 everything verified so far (MoA keeps its CA memory of the verified prefix), sampling from its
@@ -25,6 +32,13 @@ import torch
 
 from vllm_moa.checkpoint import load_drafter
 from vllm_moa.checkpoint.io import drafter_dir_of, load_config
+from vllm_moa.decoding.adaptive import (
+    AcceptanceTracker,
+    AdaptiveLengths,
+    DraftGuard,
+    StepCosts,
+    adaptive_enabled,
+)
 from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree, TreeParams
@@ -62,6 +76,7 @@ class RemoteResult:
     wall_time_s: float
     disconnected_at: int | None  # tokens generated when the server was lost; None if never
     reconnections: int = 0  # times the server was reached again after a loss
+    drafted_tokens: int = 0  # drafts sent for verification
 
     @property
     def mean_accepted_length(self) -> float:
@@ -139,6 +154,8 @@ class _Run:
     down: int = 0
     reconnections: int = 0
     disconnected_at: int | None = None
+    drafted: int = 0
+    policy: _Policy | None = None  # adaptive chains: the client's rule and this call's tracker
 
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
@@ -190,7 +207,35 @@ class _Run:
             wall_time_s=time.perf_counter() - self.began,
             disconnected_at=self.disconnected_at,
             reconnections=self.reconnections,
+            drafted_tokens=self.drafted,
         )
+
+
+@dataclass
+class _Policy:
+    """Adaptive chain lengths for one generate call: the client's `AdaptiveLengths` (cost model,
+    prior, probes, guard) and the call's acceptance tracker."""
+
+    lengths: AdaptiveLengths
+    tracker: AcceptanceTracker
+    predicted: float = 0.0  # the cost model's prediction of the cycle chosen last (the guard's)
+
+    def choose(self, budget: int) -> int:
+        costs = self.lengths.costs
+        k = self.lengths.choose([self.tracker], [budget])[0]
+        self.predicted = costs.step_time(k + 1, k) if costs.known else 0.0
+        return k
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        """A cycle of `drafted` drafts (`draft_s` on the device) verified in `verify_s` (the
+        round trip and absorbing the server's rows), of which `accepted` were accepted."""
+        lengths, costs = self.lengths, self.lengths.costs
+        self.tracker.observe(drafted, accepted)
+        lengths.observe_step(1, draft_s + verify_s, self.predicted, accepted + 1)
+        costs.observe_verify(drafted + 1, verify_s)
+        costs.observe_draft(drafted, draft_s)
+        if lengths.probes.probing:
+            lengths.probes.spent(draft_s)
 
 
 class RemoteClient:
@@ -212,6 +257,7 @@ class RemoteClient:
         self.proposer = client_proposer(drafter, self.target)
         self.fingerprint = fingerprint(drafter_dir)
         self.timeout_s = timeout_s
+        self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K, kept across calls
 
     @torch.no_grad()
     def generate(
@@ -227,6 +273,7 @@ class RemoteClient:
         disconnect_after: int | None = None,
         reconnect_every: int | None = None,
         private_suffix: list[int] | tuple[int, ...] = (),
+        adaptive: bool = True,
     ) -> RemoteResult:
         """Speculative decoding against the server. `disconnect_after` B: leave the server once
         B tokens are out and finish alone. `reconnect_every` N: after a lost link, write N tokens
@@ -234,7 +281,9 @@ class RemoteClient:
         was written alone (one draft) and decoding goes on, so the output stays lossless.
         `private_suffix`: prompt tokens the server never sees (the paper's appendix A.6): the
         server runs only `prompt_ids`, and the device writes the whole response with its
-        drafter, over the prefix's activations and the private suffix."""
+        drafter, over the prefix's activations and the private suffix. `adaptive`: chain
+        lengths chosen per cycle (unless VLLM_MOA_ADAPTIVE=0; trees and seeded sampled requests
+        keep K)."""
         params = params or SamplingParams()
         if tree is not None and not isinstance(self.proposer, TreeProposer):
             raise ValueError(f"a {self.kind} drafter does not draft trees")
@@ -247,6 +296,16 @@ class RemoteClient:
             self.target.max_length,
             time.perf_counter(),
         )
+        # A seeded sampled request keeps the fixed K: the server's random draws follow the
+        # drafts, and adaptive lengths follow measured times, so its text would not repeat.
+        seeded_sampling = seed is not None and not params.greedy
+        if adaptive and adaptive_enabled() and tree is None and not seeded_sampling:
+            k = num_speculative_tokens
+            lengths = self.adaptive_lengths.get(k)
+            if lengths is None:
+                lengths = AdaptiveLengths(k, StepCosts(cold_phases=1), guard=DraftGuard())
+                self.adaptive_lengths[k] = lengths
+            run.policy = _Policy(lengths, lengths.tracker())
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()
         try:
@@ -359,13 +418,24 @@ class RemoteClient:
                 link.close(polite=True)
                 return True
             position = len(run.prompt) + len(run.generated) - 1
-            draft = self._draft(run.generated[-1], position, run.room(), k, tree)
+            policy = run.policy
+            budget = min(k, run.room() - 1, self.target.max_length - position - 2)
+            chosen = policy.choose(budget) if policy is not None and budget >= 1 else k
+            began = time.perf_counter()
+            draft = self._draft(run.generated[-1], position, run.room(), chosen, tree)
+            drafted = time.perf_counter()
+            accepted_before = run.accepted
             try:
                 self._verify(link, run, draft)
             except ConnectionError:
                 self.proposer.withdraw()  # the draft in flight will never be verified
                 link.close(polite=False)
                 return True
+            if policy is not None and budget >= 1 and run.finish is Finish.NONE:
+                policy.observe(
+                    len(draft.tokens), run.accepted - accepted_before, drafted - began,
+                    time.perf_counter() - drafted,
+                )  # fmt: skip
         link.close(polite=True)
         return False
 
@@ -376,6 +446,7 @@ class RemoteClient:
         if answer.finish is Finish.NONE:  # checked before anything of the cycle is taken
             self._check_rows(answer.rows, len(answer.accepted) + 1)
         run.generated.extend([*answer.accepted, answer.next_token])
+        run.drafted += len(draft.tokens)
         run.cycle += 1
         run.cycles += 1
         run.accepted += len(answer.accepted)
