@@ -176,6 +176,22 @@ def _train_cmd(target, data, out, steps, extra=()):
     ]
 
 
+def _last_logged(out) -> int:
+    """The last step a running training run has logged (0 before any; a line being written is
+    skipped)."""
+    try:
+        lines = (out / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = [0]
+    for line in lines:
+        try:
+            steps.append(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+    return max(steps)
+
+
 def _losses(out):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x]
     return {r["step"]: r["loss"] for r in rows}
@@ -211,10 +227,13 @@ def test_resume_after_sigkill_reproduces_the_losses(tmp_path, tiny_target_dir, o
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    # Killed once it has logged steps past its first checkpoint (steps the resumed run must
+    # drop and log again): by its progress, not a sleep, which a fast machine could outrun.
     deadline = time.time() + 300
-    while not (killed / "checkpoint.pt").exists() and time.time() < deadline:
+    while time.time() < deadline and proc.poll() is None:
+        if (killed / "checkpoint.pt").exists() and _last_logged(killed) >= every + 2:
+            break
         time.sleep(0.01)
-    time.sleep(0.3)  # let it run past the checkpoint, logging steps that must be dropped
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     saved = torch.load(killed / "checkpoint.pt", weights_only=False)["step"]
