@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import random
+import re
 import socket
 import struct
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -446,26 +446,26 @@ def test_the_cli_serves_and_generates(pair, tiny_target_dir, tmp_path):
     drafter = save_drafter(
         make_drafter(HFTarget.from_pretrained(tiny_target_dir), tli=1, seed=2), tmp_path / "d"
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     cli = [sys.executable, "-m", "vllm_moa.cli.main"]
     ask = ["--prompt", "def add(a, b):", "--max-new-tokens", "12", "--json"]
     common = ["--target", tiny_target_dir, "--drafter", str(drafter)]
+    # Port 0: the server binds a free port itself and logs it (no port found by a test's
+    # bind-then-close, which another process can take in between).
     server = subprocess.Popen(
-        [*cli, "remote-server", *common, "--port", str(port)],
+        [*cli, "remote-server", *common, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+        port = None
+        assert server.stdout is not None
+        for line in server.stdout:  # until it listens (or exits: the loop ends, port is None)
+            found = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+            if found:
+                port = int(found.group(1))
                 break
-            except OSError:
-                time.sleep(0.5)
+        assert port, "the server did not report a port"
         run = subprocess.run(
             [
                 *cli,
