@@ -10,6 +10,7 @@ import re
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -280,6 +281,16 @@ def test_clients_are_verified_together_and_the_server_survives_garbage(pair, pla
                 with contextlib.suppress(OSError):
                     s.recv(1 << 16)
 
+    # Each verification pass made slower (20 ms more), so that the clients' drafts queue up
+    # while one runs and a pass verifies several: the batching asserted below, which the
+    # threads' timing alone did not always produce.
+    verify = server.verifier.verify
+
+    def slow_verify(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(0.02)
+        return verify(*args, **kwargs)
+
+    server.verifier.verify = slow_verify  # type: ignore[method-assign]
     try:
         threads = [threading.Thread(target=client_run, args=(i,)) for i in range(4)]
         threads += [threading.Thread(target=vandal, args=(s,)) for s in range(2)]
