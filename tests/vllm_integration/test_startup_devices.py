@@ -98,23 +98,31 @@ def test_control_host_stand_ins_are_caught():
 def _core_on_meta(layers: int = 2) -> tuple[Any, dict[str, Any]]:
     """A drafting core (TLI=0) whose drafter, target view, caches and pages all sit on `meta`:
     the GPU layout's stores (TorchPagedKV), one KV-cache group."""
+    return core_on(torch.device("meta"), layers)
+
+
+def core_on(device: torch.device, layers: int = 2, blocks: int = 6) -> tuple[Any, dict[str, Any]]:
+    """A drafting core (TLI=0) whose drafter, target view, caches and pages all sit on `device`
+    (caches and pages random where they hold values): the GPU layout's stores (TorchPagedKV),
+    one KV-cache group, `blocks` blocks of 16."""
     from vllm_moa.vllm_plugin.drafting import CacheLayout, MoADraftCore
     from vllm_moa.vllm_plugin.paged_attention import page_views
 
     target = HFTarget(make_hf_model(num_layers=layers))
     shape = target.shape
     info = TargetInfo(shape, target.config.num_attention_heads)
-    meta = torch.device("meta")
-    drafter = MoADrafter(make_config(info, preset="small")).eval().to(meta)
+    drafter = MoADrafter(make_config(info, preset="small"))
+    drafter.init_weights(seed=3)
+    drafter = drafter.eval().to(device)
     pages = _pages(drafter, target)
-    cache_shape = (6, shape.num_kv_heads, 16, 2 * shape.head_dim)
+    cache_shape = (blocks, shape.num_kv_heads, 16, 2 * shape.head_dim)
     backend = SimpleNamespace(get_name=lambda: "FLASH_ATTN")
     attns = [
-        SimpleNamespace(kv_cache=torch.empty(cache_shape, device=meta), attn_backend=backend)
+        SimpleNamespace(kv_cache=_values(cache_shape, device), attn_backend=backend)
         for _ in range(layers)
     ]
-    embed = torch.nn.Embedding(shape.vocab_size, shape.hidden_size, device=meta)
-    head = torch.nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, device=meta)
+    embed = torch.nn.Embedding(shape.vocab_size, shape.hidden_size, device=device)
+    head = torch.nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, device=device)
     view = SimpleNamespace(
         shape=shape, attn_layers=attns, layer_names=[f"t{i}" for i in range(layers)],
         embed=embed, logits=head,
@@ -122,16 +130,23 @@ def _core_on_meta(layers: int = 2) -> tuple[Any, dict[str, Any]]:
     pages.layers = {name: SimpleNamespace(layer_name=f"p.{name}") for name in pages.fields}  # type: ignore[misc]
     core = object.__new__(MoADraftCore)
     core.__dict__.update(
-        drafter=drafter, target=view, device=meta, tp=1, vllm_config=None,
+        drafter=drafter, target=view, device=device, tp=1, vllm_config=None,
         target_dtype=torch.float32, backend="FLASH_ATTN", pages=pages, _cpu_layouts={},
         _group_cache=None,
         _draft_step=paged_draft_step, _page_rows=page_rows,
         layout=CacheLayout({**dict.fromkeys(view.layer_names, (0, 16)),
                             **dict.fromkeys(["p.memory", "p.sa"], (0, 16))}, [[]]),
-        stores={name: TorchPagedKV(*page_views(torch.zeros(cache_shape, device=meta), *field))
+        stores={name: TorchPagedKV(*page_views(_values(cache_shape, device), *field))
                 for name, field in pages.fields.items()},
     )  # fmt: skip
     return core, {"vocab": shape.vocab_size}
+
+
+def _values(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A cache: random values where tensors hold values (not on `meta`)."""
+    if device.type == "meta":
+        return torch.empty(shape, device=device)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(device)
 
 
 def _run_step_on_meta(core: Any, vocab: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch import nn
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from vllm_moa.decoding.adaptive import adaptive_enabled
+from vllm_moa.vllm_plugin.draft_graphs import DraftGraphs, cuda_capture
 from vllm_moa.vllm_plugin.draft_steps import DraftSteps
 from vllm_moa.vllm_plugin.drafting import (
     TRACE_ENV,
@@ -96,6 +97,7 @@ class MoASpeculator(DraftModelSpeculator):
         self.pcp_manager = None
         self.supports_decode_metadata_update = False
         self.core: MoADraftCore | None = None
+        self.graphs: DraftGraphs | None = None  # CUDA graphs of the draft loop (`capture`)
         self.req_states = req_states  # the runner's request states: read by tracing only
         adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
         k = self.num_speculative_steps
@@ -128,10 +130,30 @@ class MoASpeculator(DraftModelSpeculator):
         self.core.layout = CacheLayout.of(kv_cache_config, target_attn_groups)
 
     def init_cudagraph_manager(self, cudagraph_mode: Any) -> None:
-        self.cudagraph_mode = cudagraph_mode  # the draft loop is not captured yet: it runs eagerly
+        self.cudagraph_mode = cudagraph_mode
 
     def capture(self) -> None:
-        pass
+        """CUDA graphs of the draft loop (draft_graphs.py), called by the V2 runner's
+        capture_model after the target's: TLI = 0 without tensor parallelism on a GPU; anything
+        else, or a capture that fails, drafts eagerly (logged), never a start-up that crashes."""
+        core = self.core
+        mode = getattr(getattr(self, "cudagraph_mode", None), "name", "NONE")
+        if self.device.type != "cuda" or core is None or mode == "NONE" or not core.ready():
+            return
+        if core.drafter.config.tli or self.tp > 1:
+            logger.info("MoA draft loop not captured (TLI > 0 or tensor parallelism): eager")
+            return
+        sizes = draft_graph_sizes(self.vllm_config, self.max_num_reqs)
+        widths = {g: int(self.block_tables.input_block_tables[g].shape[1]) for g, _ in core.groups}
+        graphs = DraftGraphs(
+            core, sizes, self.num_speculative_steps, widths, self.model_len, self.device
+        )
+        try:  # GPU-only branch
+            graphs.capture(cuda_capture(torch.cuda.graph_pool_handle()))
+        except Exception:
+            logger.warning("MoA draft loop capture failed: drafting eagerly", exc_info=True)
+            return
+        self.graphs = graphs
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -185,7 +207,9 @@ class MoASpeculator(DraftModelSpeculator):
                     inputs, ends=inputs.ends.clamp(max=inputs.positions + m), steps=m
                 )
         if m:
-            drafts[:, :m] = core.draft(inputs)
+            graphs = self.graphs
+            drafted = graphs.run(inputs) if graphs is not None else None
+            drafts[:, :m] = core.draft(inputs) if drafted is None else drafted
         # Slots past the drafts (adaptive speculation) hold padding: verified like any draft.
         drafts[:, m:steps] = (drafts[:, m - 1 : m] if m else inputs.tokens[:, None]).expand(
             -1, steps - m
@@ -198,6 +222,13 @@ class MoASpeculator(DraftModelSpeculator):
         if os.environ.get(TRACE_ENV) and m:
             trace_drafts(self.req_states, input_batch, inputs, drafts[:, :m], num_sampled)
         return drafts
+
+
+def draft_graph_sizes(vllm_config: Any, max_num_reqs: int) -> list[int]:
+    """Batch sizes to capture the draft loop at: vLLM's CUDA-graph capture sizes up to
+    `max_num_reqs` (a decode step of B requests), and `max_num_reqs` itself."""
+    sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or []
+    return sorted({int(s) for s in sizes if int(s) <= max_num_reqs} | {max_num_reqs})
 
 
 def step_views(

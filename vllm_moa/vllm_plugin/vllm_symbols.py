@@ -1091,6 +1091,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         "instance-attribute",
         used_by="speculator (tracing)",
     ),
+    # The draft loop's CUDA graphs (speculator.capture) at the target's capture sizes.
+    Symbol(
+        "vllm/config/compilation.py",
+        "CompilationConfig.cudagraph_capture_sizes",
+        "dataclass-field",
+        used_by="speculator (CUDA graphs)",
+    ),
     # The V2 runner's InputBatch (a dataclass), as step_views reads it.
     Symbol(
         "vllm/v1/worker/gpu/input_batch.py",
