@@ -361,33 +361,41 @@ def test_v2_honours_the_batch_size_schedule(moa_pair, tmp_path):
     )
 
 
-# The V2 speculator's cost model with its measurements replaced: a draft step 1/100 of a target
-# step (the interpreted V2 target is slow, so measured costs would favour drafting anyway).
-CHEAP_DRAFTS = """
+# The V2 speculator's cost model with its measurements replaced: a draft step costs `draft`
+# seconds against a target step of about 20 ms. Measured costs would not do: V2's target step is
+# interpreted here (~200 ms) while a draft step is not (~1.3 ms), so drafting looks almost free
+# and the rule rightly keeps drafting even a useless drafter's tokens.
+def drafts_costing(draft: float) -> str:
+    return f"""
 import vllm_moa.vllm_plugin.draft_steps as draft_steps
 from vllm_moa.decoding.adaptive import StepCosts
-class CheapDrafts(StepCosts):
+class Injected(StepCosts):
     def observe_draft(self, steps, seconds, drafts=None, rows=0):
-        super().observe_draft(1, 0.0002)
+        super().observe_draft(1, {draft})
     def observe_verify(self, tokens, seconds):
         super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
-draft_steps.StepCosts = CheapDrafts
+draft_steps.StepCosts = Injected
 """
+
+
+CHEAP_DRAFTS = drafts_costing(0.0002)  # 1/100 of a target step
+GPU_LIKE_DRAFTS = drafts_costing(0.004)  # 1/5: a small drafter against an 8B target
 
 
 def test_v2_adaptive_speculation(moa_pair, random_drafter, tmp_path):
     """The default mode on V2 (adaptive: the batch's draft steps m chosen per step, padding past
     them): outputs equal plain decoding; with drafting made cheap the test pair's drafts land
     and every chain drafted equals the standalone proposer's (as far as it goes); a drafter that
-    never matches mostly stops drafting (control: the same engine at a fixed K drafts K every
-    step)."""
+    never matches mostly stops drafting where a draft step costs what it would on a GPU
+    (control: the same engine at a fixed K drafts K every step). Costs are injected (see
+    `drafts_costing`)."""
     prompts = encode(moa_pair["target"], PROMPTS[:6])
     params = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
     on = {"VLLM_MOA_ADAPTIVE": "1"}
     runs = [
         {"params": params},
         {"spec": moa(random_drafter), "trace": str(tmp_path / "useless.jsonl"), "env": on,
-         "params": params},
+         "setup": GPU_LIKE_DRAFTS, "params": params},
         {"spec": moa(moa_pair["tli0"]), "trace": str(tmp_path / "cheap.jsonl"), "env": on,
          "setup": CHEAP_DRAFTS, "params": params},
     ]  # fmt: skip
@@ -396,12 +404,15 @@ def test_v2_adaptive_speculation(moa_pair, random_drafter, tmp_path):
     assert useless["passes"] == plain["passes"]
     assert cheap["passes"] == plain["passes"]
     request_steps = 6 * 48  # at most: one per generated token
+    # At a fixed K every request-step drafts 4 tokens (<= 4 * 288); this target's repetitive
+    # text lets even a random drafter land a few (alpha ~0.1-0.4 for some requests), so the rule
+    # keeps a draft step where it pays and drops the rest.
     chains = [len(c) for c in traced_chains(tmp_path / "useless.jsonl").values()]
-    assert len(chains) < 0.5 * request_steps, f"{len(chains)} request-steps drafted of <= 288"
+    assert sum(chains) < 0.3 * 4 * request_steps, f"{sum(chains)} tokens drafted of <= 1152"
     landed = traced_chains(tmp_path / "cheap.jsonl")
     assert len(landed) >= 6 * 20, f"only {len(landed)} request-steps drafted"
     assert cheap["metrics"]["vllm:spec_decode_num_accepted_tokens"] >= 10
     assert_chains_are_the_standalone_proposers(
         moa_pair["target"], moa_pair["tli0"], tmp_path / "cheap.jsonl", 4, 6 * 20
     )
-    print(f"useless drafter: {len(chains)} request-steps drafted; cheap: {len(landed)}")
+    print(f"useless drafter: {sum(chains)} tokens drafted; cheap: {len(landed)} request-steps")
