@@ -69,7 +69,8 @@ class _Step:
     prefill: bool  # the step computed prompt tokens
     rejected: torch.Tensor  # [num_reqs] host copy of the verdict, filled without blocking
     copied: Any  # the copy's CUDA event (None on the CPU)
-    target: tuple[Any, Any] | None  # marks around the target's step (previous draft end, now)
+    begin: Any  # mark: drafting starts (the page rows are written)
+    target: tuple[Any, Any] | None  # marks around the target's step (previous draft end, begin)
     steps: int = 0  # draft steps this call ran (m)
     probe: bool = False
     draft: tuple[Any, Any] | None = None  # marks around the draft phase
@@ -108,7 +109,7 @@ class DraftSteps:
         verified = np.zeros(n, dtype=np.int64) if verified is None else verified[:n].copy()
         target = (self.last_end, now) if self.last_end is not None else None
         step = _Step(list(req_ids), verified, self.last_steps, tokens, prefill, rejected, copied,
-                     target)  # fmt: skip
+                     now, target)  # fmt: skip
         self.current = step
         self.pending.append(step)
 
@@ -136,7 +137,7 @@ class DraftSteps:
         assert step is not None
         end = self.clock.mark()
         if step.steps:
-            step.draft = (step.target[1] if step.target else None, end)
+            step.draft = (step.begin, end)
         self.last_end = end
         self.last_steps = step.steps
         self.current = None
@@ -169,8 +170,7 @@ class DraftSteps:
     def _ready(self, step: _Step) -> bool:
         if step.copied is not None and not step.copied.query():
             return False
-        marks = [m for span in (step.target, step.draft) if span for m in span if m is not None]
-        return all(self.clock.done(m) for m in marks)
+        return all(self._done(span) for span in (step.target, step.draft) if span is not None)
 
     def _learn(self, step: _Step) -> None:
         rejected = step.rejected.numpy()
@@ -196,4 +196,4 @@ class DraftSteps:
                 self.lengths.probes.spent(seconds)
 
     def _done(self, span: tuple[Any, Any]) -> bool:
-        return all(m is not None and self.clock.done(m) for m in span)
+        return all(self.clock.done(m) for m in span)
