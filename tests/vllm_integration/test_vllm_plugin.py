@@ -74,6 +74,40 @@ def test_no_draft_metadata_is_vllms(scheduled):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), name
 
 
+def test_no_draft_steps_reuse_metadata_and_update_nothing():
+    """Patch 4 on a MoA runner: a decode step without drafts reuses its batch size's metadata
+    (equal to vLLM's), a step with prompt tokens gets its own; a step in which nothing was
+    drafted gives the scheduler no draft update, one with drafts gives vLLM's."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from vllm_moa.vllm_plugin import register
+
+    register()
+    runner = SimpleNamespace(
+        input_ids=SimpleNamespace(gpu=torch.arange(64, dtype=torch.int32)),
+        speculative_config=SimpleNamespace(method="moa"),
+    )
+    zeros = np.zeros(4, dtype=np.int32)
+    decode = np.arange(1, 5, dtype=np.int32)
+    first = GPUModelRunner._calc_spec_decode_metadata(runner, zeros, decode)
+    assert GPUModelRunner._calc_spec_decode_metadata(runner, zeros, decode.copy()) is first
+    assert torch.equal(first.logits_indices, torch.arange(4))
+    chunk = np.array([1, 2, 3, 30], dtype=np.int32)
+    mixed = GPUModelRunner._calc_spec_decode_metadata(runner, zeros, chunk)
+    assert mixed is not first and mixed.logits_indices.tolist() == [0, 1, 2, 29]
+
+    runner._draft_token_ids = [[], [], []]
+    assert GPUModelRunner.take_draft_token_ids(runner) is None
+    runner._draft_token_ids = [[], [5, 6], []]
+    runner.num_spec_tokens, runner._draft_token_req_ids = 4, ["a", "b", "c"]
+    runner._get_draft_token_ids_cpu = lambda: (runner._draft_token_ids, ["a", "b", "c"])
+    taken = GPUModelRunner.take_draft_token_ids(runner)
+    assert taken.req_ids == ["a", "b", "c"] and taken.draft_token_ids == [[], [5, 6], []]
+
+
 def _engine_config(target, spec: dict):
     from vllm.engine.arg_utils import EngineArgs
 

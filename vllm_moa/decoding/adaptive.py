@@ -424,10 +424,20 @@ def entry_costs(
     """Each request's one-time cost of drafting now: its `catch_up` history rows (r each),
     spread over the steps it has left (`remaining` tokens at the tokens a step would give it):
     the rows serve every later step too, so a long generation repays them and a request about
-    to finish does not."""
+    to finish does not. Exact for a request that may draft; for one that cannot (`_best_lengths`'
+    first test: its first draft's bound must beat the floor plus its entry at plain decoding's
+    goodput) a lower bound that already rules it out (at most one token a step: entry >=
+    r * c / left), so a batch of requests that do not draft costs O(1) each."""
     out = []
+    n = len(trackers)
+    floor = _draft_floor(n, costs)
+    plain_rate = n / max(costs.step_time(n, 0), 1e-12)
     for t, b, c, left in zip(trackers, budgets, catch_up, remaining, strict=True):
-        steps = max(1.0, left / t.expected_tokens(b)) if b else 1.0
+        least = costs.draft_row * c / max(left, 1)
+        if not b or not c or t.first_bound() <= floor + plain_rate * least:
+            out.append(least)
+            continue
+        steps = max(1.0, left / t.expected_tokens(b))
         out.append(costs.draft_row * c / steps)
     return out
 
@@ -724,7 +734,7 @@ def _best_lengths(
     per_draft = costs.per_token + costs.draft_each
     # The threshold only rises with the best rate, and no draft gains more than the first's
     # acceptance: a request whose bound is below the first threshold never drafts.
-    floor = best_rate * per_draft
+    floor = _draft_floor(n_req, costs)
     candidates = [
         (i, t.gains(b))
         for i, (t, b) in enumerate(zip(trackers, budgets, strict=True))
@@ -762,6 +772,13 @@ def _best_lengths(
         for (i, _), n in zip(candidates, best_lengths, strict=True):
             ks[i] = min(n, best_m)
     return ks, best_rate / plain_rate
+
+
+def _draft_floor(n_req: int, costs: StepCosts) -> float:
+    """The expected gain a draft must beat at plain decoding's goodput (the lowest threshold
+    `_best_lengths` uses): plain tokens per second x the seconds a draft costs to verify."""
+    plain_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
+    return plain_rate * (costs.per_token + costs.draft_each)
 
 
 def _take_while(gains: list[float], threshold: float, first: float = 0.0) -> int:

@@ -31,16 +31,18 @@ class; before and after, it reads `method="moa"`, `model=<drafter dir>`. Six pat
    speculation times the target's step); a MoA step in which no request has drafts (adaptive
    speculation chose 0 for all) samples through vLLM's plain sampler, as a step without
    speculation does, instead of its rejection sampler (the same tokens: with no drafts the
-   rejection sampler only samples the bonus token, through that same sampler; 0.1-0.2 ms
-   less per step on the CPU), and its spec-decode metadata is built directly
-   (`no_draft_metadata`: the same tensors as `_calc_spec_decode_metadata`'s, in a third of its
-   time). Every MoA step drafts (`_input_fits_in_drafter` is true): vLLM's own test, that the
-   batch's longest sequence plus K fits the drafter's length, serves drafters that run the
-   whole batch at one length; when it fails, vLLM schedules K *zero tokens* as drafts for
-   every request in the batch (rejected, so lossless, but a verify step up to K + 1 times as
-   large, every step while any request is within K tokens of the model's length limit). Our
-   proposer caps each request's drafts at its own room instead. `CPUModelRunner` subclasses
-   `GPUModelRunner`.
+   rejection sampler only samples the bonus token, through that same sampler; 0.1-0.2 ms less
+   per step on the CPU), and its spec-decode metadata is built directly (`no_draft_metadata`:
+   the same tensors as `_calc_spec_decode_metadata`'s, in a third of its time; made once per
+   batch size for decode steps, which vLLM only reads), and when nothing was drafted
+   `take_draft_token_ids` gives the scheduler nothing to update (it cleared the drafts of every
+   request it scheduled). Every MoA step drafts (`_input_fits_in_drafter` is true): vLLM's own
+   test, that the batch's longest sequence plus K fits the drafter's length, serves drafters
+   that run the whole batch at one length; when it fails, vLLM schedules K *zero tokens* as
+   drafts for every request in the batch (rejected, so lossless, but a verify step up to K + 1
+   times as large, every step while any request is within K tokens of the model's length
+   limit). Our proposer caps each request's drafts at its own room instead. `CPUModelRunner`
+   subclasses `GPUModelRunner`.
 5. `VllmConfig.num_lookahead_tokens` is K for MoA, as for vLLM's EAGLE: the scheduler reserves
    KV slots for the drafted positions, where the proposer writes their SA (and TLI) K/V.
 6. Two bug fixes for speculative sampling on vLLM's CPU backend, for every speculative method,
@@ -500,7 +502,26 @@ def _patch_model_runner() -> None:
     ) -> Any:
         if not is_moa(self.speculative_config) or num_draft_tokens.any():
             return original_metadata(self, num_draft_tokens, cu_num_scheduled_tokens)
-        return no_draft_metadata(cu_num_scheduled_tokens, self.input_ids.gpu)
+        n = len(cu_num_scheduled_tokens)
+        if n == 0 or int(cu_num_scheduled_tokens[-1]) != n:  # prompt tokens in the step
+            return no_draft_metadata(cu_num_scheduled_tokens, self.input_ids.gpu)
+        # A decode step without drafts: the same metadata for every step of n requests (vLLM
+        # only reads it), made once per batch size instead of six tensors a step.
+        cache = self.__dict__.setdefault("_vllm_moa_no_drafts", {})
+        if n not in cache:
+            cache[n] = no_draft_metadata(cu_num_scheduled_tokens, self.input_ids.gpu)
+        return cache[n]
+
+    original_take = GPUModelRunner.take_draft_token_ids
+
+    @functools.wraps(original_take)
+    def take_draft_token_ids(self: Any) -> Any:
+        drafts = self._draft_token_ids
+        if is_moa(self.speculative_config) and isinstance(drafts, list) and not any(drafts):
+            # Nothing drafted: nothing for the scheduler to update (it cleared the drafts of
+            # every request of this step when it scheduled them).
+            return None
+        return original_take(self)
 
     original_fits = GPUModelRunner._input_fits_in_drafter
 
@@ -514,6 +535,7 @@ def _patch_model_runner() -> None:
     GPUModelRunner.__init__ = __init__  # type: ignore[method-assign]
     GPUModelRunner._calc_spec_decode_metadata = _calc_spec_decode_metadata  # type: ignore[method-assign]
     GPUModelRunner._input_fits_in_drafter = _input_fits_in_drafter  # type: ignore[method-assign]
+    GPUModelRunner.take_draft_token_ids = take_draft_token_ids  # type: ignore[method-assign]
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids  # type: ignore[method-assign]
     GPUModelRunner.execute_model = execute_model  # type: ignore[method-assign]
     GPUModelRunner._sample = _sample  # type: ignore[method-assign]

@@ -977,6 +977,19 @@ SYMBOLS: tuple[Symbol, ...] = (
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner.take_draft_token_ids",
+        "method",
+        ("self",),
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
+        "GPUModelRunner._draft_token_ids",
+        "instance-attribute",
+        used_by="patches: 4",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.attn_groups",
         "instance-attribute",
         used_by="proposer",
