@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import AlternatingCosts, OracleMoAProposer, make_drafter
 
+from tests.costs import fixed_costs
 from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.decoding.adaptive import (
     PROBE_EVERY,
@@ -486,17 +487,9 @@ def test_engine_stops_drafting_for_a_useless_drafter(llama_target):
     assert hist[0] >= 0.8 * sum(hist), hist
 
 
-class CheapDrafts(StepCosts):
-    """Measured costs replaced by a drafter 20x cheaper than a verify step (the test oracle
-    runs the whole target per draft: measured, it would rightly be turned off)."""
-
-    def observe_draft(
-        self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
-    ) -> None:
-        super().observe_draft(1, 0.0005)
-
-    def observe_verify(self, tokens: int, seconds: float) -> None:
-        super().observe_verify(tokens, 0.01 + 0.0001 * tokens)
+# Measured costs replaced by a drafter 20x cheaper than a verify step (the test oracle runs the
+# whole target per draft: measured, it would rightly be turned off).
+CheapDrafts = fixed_costs(0.0005, verify_base=0.01)
 
 
 def test_engine_keeps_k_for_a_drafter_that_always_matches(llama_target):

@@ -670,16 +670,10 @@ def test_adaptive_chains_stop_for_a_useless_drafter_and_stay_lossless(pair, plai
         # The oracle's drafts run a full copy of the target (a test crutch), so measured costs
         # would rightly stop it: its costs are injected (a draft step 1/20 of a round trip).
         import vllm_moa.remote.client as client_module
-        from vllm_moa.decoding.adaptive import DraftGuard, StepCosts
+        from tests.costs import fixed_costs
+        from vllm_moa.decoding.adaptive import DraftGuard
 
-        class CheapDrafts(StepCosts):
-            def observe_draft(self, steps, seconds, drafts=None, rows=0):  # type: ignore[no-untyped-def]
-                super().observe_draft(1, 0.001)
-
-            def observe_verify(self, tokens, seconds):  # type: ignore[no-untyped-def]
-                super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
-
-        monkeypatch.setattr(client_module, "StepCosts", CheapDrafts)
+        monkeypatch.setattr(client_module, "StepCosts", fixed_costs(0.001))
         monkeypatch.setattr(client_module, "DraftGuard", lambda: DraftGuard(enabled=False))
         oracle = RemoteClient(server.address, pair["target"], pair["moa0"])
         _oracle(oracle, pair["target"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.costs import fixed_costs
 from tests.vllm_integration.conftest import greedy, make_llm, spec_metrics
 from tests.vllm_integration.test_vllm_offline import PROMPTS
 
@@ -18,29 +19,13 @@ K = 4
 MAX_TOKENS = 48
 
 
-def cheap_drafts(**fields):
-    """A cost model whose measurements are replaced: a draft step 1/20 of a target step."""
-    from vllm_moa.decoding.adaptive import StepCosts
-
-    class CheapDrafts(StepCosts):
-        def observe_draft(
-            self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
-        ) -> None:
-            super().observe_draft(1, 0.001)
-
-        def observe_verify(self, tokens: int, seconds: float) -> None:
-            super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
-
-    return CheapDrafts(**fields)
-
-
 def injected_costs(monkeypatch) -> None:
-    """The proposer's costs replaced by `cheap_drafts`; the guard off, so that the injected
-    model decides alone (the guard would measure this CPU's real times)."""
+    """The proposer's costs replaced (a draft step 1/20 of a target step); the guard off, so
+    that the injected model decides alone (the guard would measure this CPU's real times)."""
     from vllm_moa.decoding.adaptive import DraftGuard
     from vllm_moa.vllm_plugin import proposer
 
-    monkeypatch.setattr(proposer, "StepCosts", cheap_drafts)
+    monkeypatch.setattr(proposer, "StepCosts", fixed_costs(0.001))
     monkeypatch.setattr(proposer, "DraftGuard", lambda: DraftGuard(enabled=False))
 
 

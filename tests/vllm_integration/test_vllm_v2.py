@@ -368,13 +368,8 @@ def test_v2_honours_the_batch_size_schedule(moa_pair, tmp_path):
 def drafts_costing(draft: float) -> str:
     return f"""
 import vllm_moa.vllm_plugin.draft_steps as draft_steps
-from vllm_moa.decoding.adaptive import StepCosts
-class Injected(StepCosts):
-    def observe_draft(self, steps, seconds, drafts=None, rows=0):
-        super().observe_draft(1, {draft})
-    def observe_verify(self, tokens, seconds):
-        super().observe_verify(tokens, 0.02 + 0.0001 * tokens)
-draft_steps.StepCosts = Injected
+from tests.costs import fixed_costs
+draft_steps.StepCosts = fixed_costs({draft})
 """
 
 

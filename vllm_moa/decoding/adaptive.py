@@ -698,6 +698,51 @@ class AdaptiveLengths:
         )
 
 
+@dataclass
+class OneRequest:
+    """Adaptive lengths cycle by cycle for a request decoded on its own (the standalone engine,
+    the client-server client): the engine's `AdaptiveLengths` and the request's tracker. Each
+    cycle `choose` the drafts, run the cycle, then `observe` it; the cost model's own
+    measurements (verify and draft phases) are the caller's, which knows what they cover."""
+
+    lengths: AdaptiveLengths
+    tracker: AcceptanceTracker
+    predicted: float = 0.0  # the cost model's prediction of the cycle chosen last (the guard's)
+    chose: bool = False  # the cycle under way was chosen by the rule (the guard measures it)
+
+    @classmethod
+    def of(cls, lengths: AdaptiveLengths) -> OneRequest:
+        return cls(lengths, lengths.tracker())
+
+    def choose(self, budget: int, catch_up: int = 0, remaining: int | None = None) -> int:
+        """Drafts for the next cycle (0..budget). `catch_up`: history rows the proposer must
+        write before it drafts; `remaining`: tokens the request may still generate (without
+        it, entry costs are not counted)."""
+        extra = ([catch_up], [remaining]) if remaining is not None else (None, None)
+        k = self.lengths.choose([self.tracker], [budget], *extra)[0]
+        # The cycle's time as the cost model predicts it: with drafts, the rows it writes are
+        # the backlog and about the tokens it emits.
+        costs = self.lengths.costs
+        rows = catch_up + self.tracker.expected_tokens(k)
+        self.predicted = costs.step_time(k + 1 if k else 1, k, k, rows) if costs.known else 0.0
+        self.chose = True
+        return k
+
+    def observe(
+        self, drafted: int, accepted: int, seconds: float, probe_cost: float | None = None
+    ) -> None:
+        """The cycle just run: `drafted` drafts (a proposer may draft fewer than asked), of
+        which `accepted` were accepted, in `seconds` (the whole cycle, for the guard, if the
+        rule chose it); `probe_cost`: what its draft phase cost beyond a plain step, charged to
+        the probes if the rule chose a probe."""
+        self.tracker.observe(drafted, accepted)
+        if self.chose:
+            self.lengths.observe_step(1, seconds, self.predicted, accepted + 1)
+            self.chose = False
+            if probe_cost is not None and self.lengths.probes.probing:
+                self.lengths.probes.spent(probe_cost)
+
+
 def best_draft_steps(
     trackers: list[AcceptanceTracker], k: int, verify: float, costs: StepCosts
 ) -> tuple[int, float]:

@@ -15,7 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moa.decoding.adaptive import AdaptiveLengths, DraftGuard, StepCosts, adaptive_enabled
+from vllm_moa.decoding.adaptive import (
+    AdaptiveLengths,
+    DraftGuard,
+    OneRequest,
+    StepCosts,
+    adaptive_enabled,
+)
 from vllm_moa.decoding.proposer import Proposer, TreeProposer, choose_token
 from vllm_moa.decoding.sampling import (
     SamplingParams,
@@ -136,7 +142,7 @@ class SpeculativeEngine:
         if lengths is None:
             guard = DraftGuard(enabled=self._guard_enabled)
             lengths = self.adaptive_lengths[k_max] = AdaptiveLengths(k_max, costs, guard=guard)
-        probes, tracker = lengths.probes, lengths.tracker()
+        policy = OneRequest.of(lengths)
         t0 = time.perf_counter()
 
         target.reset()
@@ -153,16 +159,11 @@ class SpeculativeEngine:
             k = min(k_max, target.max_length - position - 2, max_new_tokens - len(generated) - 1)
             if no_drafts:
                 k = 0
-            chose = adaptive and k >= 1
-            if chose:
+            if adaptive and k >= 1:
                 catch_up = len(behind.tokens) if behind is not None else 0
-                remaining = max_new_tokens - len(generated)
-                k = lengths.choose([tracker], [k], [catch_up], [remaining])[0]
-                # The cycle's time as the cost model predicts it (for the guard): with drafts,
-                # the rows it writes are the backlog and about the tokens it emits.
-                rows = catch_up + tracker.expected_tokens(k)
-                predicted = costs.step_time(k + 1 if k else 1, k, k, rows) if costs.known else 0.0
+                k = policy.choose(k, catch_up, max_new_tokens - len(generated))
             drafted_before = stats.num_draft_tokens
+            probe_cost = None
             cycle_began = time.perf_counter()
             if k >= 1 and behind is not None:
                 began = cycle_began
@@ -176,14 +177,13 @@ class SpeculativeEngine:
                     new = self._speculate(
                         last, position, k, params, gen, stats, timed, (backlog, caught_up)
                     )
-                if adaptive and probes.probing:
-                    probes.spent(caught_up + costs.step_time(0, k) - costs.base)
+                probe_cost = caught_up + costs.step_time(0, k) - costs.base
             else:  # plain decoding, a cycle of 0 drafts, or the last token (no room to draft)
                 new = [self._plain_step(last, params, gen, stats, costs, behind)]
-            if adaptive:  # what was drafted: a proposer may draft fewer than asked (n-gram)
-                tracker.observe(stats.num_draft_tokens - drafted_before, len(new) - 1)
-            if chose:  # the guard's measurement of the cycle it decided
-                lengths.observe_step(1, time.perf_counter() - cycle_began, predicted, len(new))
+            if adaptive:
+                drafted = stats.num_draft_tokens - drafted_before
+                seconds = time.perf_counter() - cycle_began
+                policy.observe(drafted, len(new) - 1, seconds, probe_cost)
             for token in new:
                 generated.append(token)
                 finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)

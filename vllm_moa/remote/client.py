@@ -33,9 +33,9 @@ import torch
 from vllm_moa.checkpoint import load_drafter
 from vllm_moa.checkpoint.io import drafter_dir_of, load_config
 from vllm_moa.decoding.adaptive import (
-    AcceptanceTracker,
     AdaptiveLengths,
     DraftGuard,
+    OneRequest,
     StepCosts,
     adaptive_enabled,
 )
@@ -155,7 +155,7 @@ class _Run:
     reconnections: int = 0
     disconnected_at: int | None = None
     drafted: int = 0
-    policy: _Policy | None = None  # adaptive chains: the client's rule and this call's tracker
+    policy: OneRequest | None = None  # adaptive chains: the client's rule, this call's tracker
 
     def length(self) -> int:
         return len(self.prompt) + len(self.generated)
@@ -212,32 +212,6 @@ class _Run:
 
 
 @dataclass
-class _Policy:
-    """Adaptive chain lengths for one generate call: the client's `AdaptiveLengths` (cost model,
-    prior, probes, guard) and the call's acceptance tracker."""
-
-    lengths: AdaptiveLengths
-    tracker: AcceptanceTracker
-    predicted: float = 0.0  # the cost model's prediction of the cycle chosen last (the guard's)
-
-    def choose(self, budget: int) -> int:
-        costs = self.lengths.costs
-        k = self.lengths.choose([self.tracker], [budget])[0]
-        self.predicted = costs.step_time(k + 1, k) if costs.known else 0.0
-        return k
-
-    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
-        """A cycle of `drafted` drafts (`draft_s` on the device) verified in `verify_s` (the
-        round trip and absorbing the server's rows), of which `accepted` were accepted."""
-        lengths, costs = self.lengths, self.lengths.costs
-        self.tracker.observe(drafted, accepted)
-        lengths.observe_step(1, draft_s + verify_s, self.predicted, accepted + 1)
-        costs.observe_verify(drafted + 1, verify_s)
-        costs.observe_draft(drafted, draft_s)
-        if lengths.probes.probing:
-            lengths.probes.spent(draft_s)
-
-
 class RemoteClient:
     def __init__(
         self,
@@ -305,7 +279,7 @@ class RemoteClient:
             if lengths is None:
                 lengths = AdaptiveLengths(k, StepCosts(cold_phases=1), guard=DraftGuard())
                 self.adaptive_lengths[k] = lengths
-            run.policy = _Policy(lengths, lengths.tracker())
+            run.policy = OneRequest.of(lengths)
         gen = torch.Generator(device=self.target.device)
         gen.manual_seed(seed) if seed is not None else gen.seed()
         try:
@@ -432,10 +406,12 @@ class RemoteClient:
                 link.close(polite=False)
                 return True
             if policy is not None and budget >= 1 and run.finish is Finish.NONE:
-                policy.observe(
-                    len(draft.tokens), run.accepted - accepted_before, drafted - began,
-                    time.perf_counter() - drafted,
-                )  # fmt: skip
+                n, verify_s = len(draft.tokens), time.perf_counter() - drafted
+                costs = policy.lengths.costs
+                costs.observe_verify(n + 1, verify_s)  # the round trip and the server's rows
+                costs.observe_draft(n, drafted - began)  # on the device
+                policy.observe(n, run.accepted - accepted_before, verify_s + drafted - began,
+                               probe_cost=drafted - began)  # fmt: skip
         link.close(polite=True)
         return False
 

@@ -1,0 +1,26 @@
+"""Adaptive speculation with its measurements replaced, for tests whose real timings would
+mislead the rule (an oracle drafter that runs the whole target, Triton interpreted on V2)."""
+
+from __future__ import annotations
+
+from vllm_moa.decoding.adaptive import StepCosts
+
+
+def fixed_costs(
+    draft_step: float, verify_base: float = 0.02, verify_per_token: float = 0.0001
+) -> type[StepCosts]:
+    """A `StepCosts` class that learns a draft step of `draft_step` seconds and a verify step of
+    `verify_base + verify_per_token * tokens` seconds whatever it is told was measured. Replace
+    the class where the engine under test makes its cost model (e.g. `monkeypatch.setattr(
+    proposer, "StepCosts", fixed_costs(0.001))`); in a vLLM process, from a setup string."""
+
+    class FixedCosts(StepCosts):
+        def observe_draft(
+            self, steps: int, seconds: float, drafts: int | None = None, rows: int = 0
+        ) -> None:
+            super().observe_draft(1, draft_step)
+
+        def observe_verify(self, tokens: int, seconds: float) -> None:
+            super().observe_verify(tokens, verify_base + verify_per_token * tokens)
+
+    return FixedCosts
