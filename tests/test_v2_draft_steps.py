@@ -96,3 +96,29 @@ def test_best_draft_steps_weighs_acceptance_against_draft_cost():
     assert best_draft_steps(bad, K, 0.020, costs)[0] == 0
     costs.draft_step = 0.015  # a draft step almost a verify: only the first pays, barely
     assert best_draft_steps(good, K, 0.020, costs)[0] < K
+
+
+def test_verdict_buffers_are_reused_and_never_overwritten_while_pending():
+    """Each step's verdict goes to one of PENDING_MAX host buffers in turn (no allocation a
+    step), grown when the batch grows; a buffer comes round again only after its step is folded
+    in, so every verdict learnt is the one copied (control: each step's verdict differs)."""
+    from vllm_moa.vllm_plugin.draft_steps import PENDING_MAX
+
+    rule = DraftSteps(K, torch.device("cpu"))
+    rule.clock = FakeClock()
+    learnt: list[list[int]] = []
+    learn = rule._learn
+    rule._learn = lambda step: (learnt.append(step.rejected.tolist()), learn(step))  # type: ignore[method-assign]
+    storages = set()
+    sent = []
+    for t in range(12):
+        batch = 2 if t < 6 else 70  # the batch outgrows the first buffers (64)
+        verdict = [(t + i) % (K + 1) for i in range(batch)]
+        sent.append(verdict)
+        rule.begin([f"r{i}" for i in range(batch)], None, batch, False, torch.tensor(verdict))
+        storages.add(rule.current.rejected.untyped_storage().data_ptr())
+        assert len(rule.pending) <= PENDING_MAX
+        rule.choose(K)
+        rule.end()
+    assert len(storages) == 2 * PENDING_MAX  # one ring per batch size class, reused
+    assert learnt == sent[: len(learnt)] and len(learnt) >= 10

@@ -33,6 +33,8 @@ from vllm_moa.vllm_plugin.tensor_parallel import rank0_value
 # The target step's time from the previous draft phase's end: a gap longer than this many times
 # the verify estimate is idle time (no requests), not a step.
 IDLE_GAP = 8.0
+# Steps recorded and not yet folded in, at most: the current one and two before it (`_fold`).
+PENDING_MAX = 3
 
 
 class StepClock:
@@ -91,6 +93,10 @@ class DraftSteps:
         self.last_steps = 0  # m of the previous call
         self.last_end: Any = None  # the previous draft phase's end mark
         self.current: _Step | None = None
+        # Host buffers the verdicts are copied into (pinned on a GPU), one per step that can be
+        # pending at once (`_fold` keeps at most two besides the current), reused in turn.
+        self._verdicts: list[torch.Tensor] = []
+        self._next_verdict = 0
 
     def begin(
         self, req_ids: list[str], verified: np.ndarray | None, tokens: int, prefill: bool,
@@ -100,7 +106,7 @@ class DraftSteps:
         now = self.clock.mark()
         n = len(req_ids)
         cuda = self.device.type == "cuda"
-        rejected = torch.empty(n, dtype=num_rejected.dtype, pin_memory=cuda)
+        rejected = self._verdict_buffer(n, num_rejected.dtype)
         rejected.copy_(num_rejected[:n], non_blocking=cuda)
         copied = None
         if cuda:  # GPU-only branch
@@ -144,6 +150,20 @@ class DraftSteps:
 
     def summary(self) -> str:
         return self.lengths.summary()
+
+    def _verdict_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """The next of the `PENDING_MAX` host buffers, its first n entries (made again, larger,
+        when a batch outgrows them: the pending steps keep the old ones alive)."""
+        ring = self._verdicts
+        if not ring or ring[0].numel() < n or ring[0].dtype != dtype:
+            size = max(n, 2 * ring[0].numel() if ring else 64)
+            pin = self.device.type == "cuda"
+            self._verdicts = ring = [
+                torch.empty(size, dtype=dtype, pin_memory=pin) for _ in range(PENDING_MAX)
+            ]
+        buffer = ring[self._next_verdict % PENDING_MAX]
+        self._next_verdict += 1
+        return buffer[:n]
 
     # -- learning ------------------------------------------------------------------------------
 
