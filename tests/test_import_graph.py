@@ -1,5 +1,5 @@
-"""The package's module-level imports form no cycle (function-level imports, used to load
-optional dependencies late, are not counted)."""
+"""The package's modules import one another without a cycle, counting every import: module level,
+inside functions (late imports of optional dependencies) and under TYPE_CHECKING."""
 
 from __future__ import annotations
 
@@ -9,18 +9,18 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "vllm_moa"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path = PACKAGE) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the package's modules it imports at module level."""
-    paths = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its source."""
+    paths = {_module_name(p, package): p for p in package.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in paths}
     for name, path in paths.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-        for node in ast.parse(path.read_text()).body:
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -74,3 +74,17 @@ def test_no_import_cycles():
 
 def test_the_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_late_and_type_checking_imports_count(tmp_path):
+    """Control: a cycle closed by an import inside a function, or under TYPE_CHECKING, is
+    found."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg.c import x\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n"
+    )
+    assert cycles(import_graph(pkg)) == [["pkg.a", "pkg.b", "pkg.c"]]

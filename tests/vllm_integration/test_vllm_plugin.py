@@ -292,7 +292,7 @@ def test_pipeline_parallelism_is_refused_first(moa_pair):
 def test_long_chains_warn_with_the_trained_range(moa_pair, monkeypatch):
     import logging
 
-    from vllm_moa.vllm_plugin.patches import LOGGER_NAME
+    from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 
     warnings: list[str] = []
     logger = logging.getLogger(LOGGER_NAME)

@@ -11,20 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from vllm_moa.cli.common import encode_prompt, eos_ids, eos_ids_of, runtime
+
 if TYPE_CHECKING:
     from vllm_moa.demo import DemoRecipe
 
 NGRAM = "ngram"  # `--drafter ngram`: prompt-lookup drafting, no model (decoding.factory's)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
-    from vllm_moa.devices import resolve_device
-
-    device = resolve_device(args.device)
-    if args.dtype == "auto":
-        return device, torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return device, _DTYPES[args.dtype]
 
 
 def init_drafter(args: argparse.Namespace) -> int:
@@ -51,39 +43,6 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if not path.is_file():
         raise FileNotFoundError(f"prompt file {path} does not exist")
     return path.read_text()
-
-
-def _eos_ids(tokenizer: Any, model: Any) -> list[int]:
-    ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return sorted(ids)
-
-
-def _encode_prompt(tokenizer: Any, prompt: str, chat: bool, target_dir: str) -> list[int]:
-    if not chat:
-        return list(tokenizer(prompt)["input_ids"])
-    if not tokenizer.chat_template:
-        raise ValueError(f"--chat given but the tokenizer in {target_dir} has no chat template")
-    messages = [{"role": "user", "content": prompt}]
-    ids: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return list(ids)
-
-
-def _eos_ids_of(target_dir: str, tokenizer: Any) -> list[int]:
-    """The target's end-of-sequence ids without loading its weights."""
-    from transformers import GenerationConfig
-
-    try:
-        generation: Any = GenerationConfig.from_pretrained(target_dir)
-    except OSError:
-        generation = None
-    return _eos_ids(tokenizer, type("Model", (), {"generation_config": generation})())
 
 
 def run_generation(
@@ -128,14 +87,14 @@ def run_generation(
         drafter = load_drafter(drafter_dir, target=target.shape, dtype=dtype, device=device)
         proposer = make_proposer(drafter, target)
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    ids = _encode_prompt(tokenizer, prompt, chat, target_dir)
+    ids = encode_prompt(tokenizer, prompt, chat, target_dir)
     engine = SpeculativeEngine(target, proposer)
     result = engine.generate(
         list(ids),
         max_new_tokens,
         sampling,
         num_speculative_tokens=num_speculative_tokens,
-        eos_token_ids=_eos_ids(tokenizer, target.model),
+        eos_token_ids=eos_ids(tokenizer, target.model),
         seed=seed,
         tree=tree,
         adaptive=adaptive,
@@ -192,7 +151,7 @@ def generate(args: argparse.Namespace) -> int:
     from vllm_moa.decoding import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    device, dtype = _runtime(args)
+    device, dtype = runtime(args)
     hierarchy, buffers = hierarchy_args(args)
     tree = _tree_params(args)
     record = run_generation(
@@ -232,11 +191,11 @@ def remote_server(args: argparse.Namespace) -> int:
     from vllm_moa.remote.split import ServerHalf, fingerprint
     from vllm_moa.remote.verifier import Verifier
 
-    device, dtype = _runtime(args)
+    device, dtype = runtime(args)
     drafter_dir = drafter_dir_of(args.drafter)
     target = HFTarget.from_pretrained(args.target, dtype=dtype, device=device)
     drafter = load_drafter(drafter_dir, target=target.shape, dtype=dtype, device=device)
-    eos = _eos_ids_of(args.target, AutoTokenizer.from_pretrained(args.target))
+    eos = eos_ids_of(args.target, AutoTokenizer.from_pretrained(args.target))
     half = ServerHalf(drafter, target.shape.num_layers)
     verifier = Verifier(target, half, fingerprint(drafter_dir), eos)
     limits = ServerLimits(max_sessions=args.max_sessions, idle_timeout_s=args.idle_timeout)
@@ -257,11 +216,11 @@ def remote_generate(args: argparse.Namespace) -> int:
     from vllm_moa.decoding import SamplingParams
     from vllm_moa.remote.client import RemoteClient
 
-    device, dtype = _runtime(args)
+    device, dtype = runtime(args)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     tree = _tree_params(args)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    ids = _encode_prompt(tokenizer, _read_prompt(args), args.chat, args.target)
+    ids = encode_prompt(tokenizer, _read_prompt(args), args.chat, args.target)
     private: list[int] = []
     if args.private_suffix:
         if args.chat:
@@ -275,7 +234,7 @@ def remote_generate(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens,
         tree=tree,
         seed=args.seed,
-        eos_token_ids=_eos_ids_of(args.target, tokenizer),
+        eos_token_ids=eos_ids_of(args.target, tokenizer),
         disconnect_after=args.disconnect_after,
         reconnect_every=args.reconnect_every,
         private_suffix=private,

@@ -52,7 +52,7 @@ def run_hierarchy(
     """`generate --hierarchy`: the levels loaded and checked, one generation, its record."""
     from transformers import AutoTokenizer
 
-    from vllm_moa.cli.commands import _encode_prompt, _eos_ids
+    from vllm_moa.cli.common import encode_prompt, eos_ids
     from vllm_moa.decoding.factory import level_proposer
     from vllm_moa.decoding.hierarchy import HierarchicalEngine, Level
 
@@ -68,9 +68,9 @@ def run_hierarchy(
         for entry, size in zip(hierarchy, sizes, strict=True)
     ]
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    ids = _encode_prompt(tokenizer, prompt, chat, target_dir)
+    ids = encode_prompt(tokenizer, prompt, chat, target_dir)
     result = HierarchicalEngine(target, levels).generate(
-        ids, max_new_tokens, sampling, eos_token_ids=_eos_ids(tokenizer, target.model), seed=seed
+        ids, max_new_tokens, sampling, eos_token_ids=eos_ids(tokenizer, target.model), seed=seed
     )
     record: dict[str, Any] = {
         "text": tokenizer.decode(result.token_ids, skip_special_tokens=True),
@@ -111,7 +111,7 @@ def _measured_inputs(args: argparse.Namespace) -> Any:
     """`hsd-plan --measure`: load the target and candidates, measure, save if asked."""
     from transformers import AutoTokenizer
 
-    from vllm_moa.cli.commands import _runtime
+    from vllm_moa.cli.common import runtime
     from vllm_moa.decoding.factory import level_proposer, parse_levels
     from vllm_moa.decoding.hsd_measure import BUILTIN_PROMPTS, MeasureConfig, measure_inputs
     from vllm_moa.hf_target import HFTarget
@@ -121,7 +121,7 @@ def _measured_inputs(args: argparse.Namespace) -> Any:
     entries = parse_levels(args.candidates)
     if len(set(entries)) != len(entries):
         raise ValueError(f"--candidates {args.candidates!r} names a level twice")
-    device, dtype = _runtime(args)
+    device, dtype = runtime(args)
     target = HFTarget.from_pretrained(args.target, dtype=dtype, device=device)
     candidates = {e: level_proposer(e, target, args.target, dtype, device) for e in entries}
     texts = (

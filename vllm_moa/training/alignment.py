@@ -31,13 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_moa.training.losses import masked_kl, masked_smooth_l1
-from vllm_moa.training.methods import DraftForward
-
-
-@dataclass
-class AlignedPass:
-    forward: DraftForward  # the pass's logits and feature pairs
-    mask: torch.Tensor  # [B, T] bool: m_t, the positions this pass trains (before the loss mask)
+from vllm_moa.training.methods import AlignedPass, DraftForward
 
 
 def topk_hits(

@@ -10,7 +10,7 @@ Cross-Attention; EAGLE is 1-step bounded, so its limit is always i).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -19,9 +19,6 @@ from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
 from vllm_moa.model.config import DrafterConfig
 from vllm_moa.training.data import Batch
 
-if TYPE_CHECKING:
-    from vllm_moa.training.alignment import AlignedPass
-
 
 @dataclass
 class DraftForward:
@@ -29,6 +26,14 @@ class DraftForward:
     # (predicted, true) hidden-state pairs [B, T, E] for the feature loss (averaged)
     features: list[tuple[torch.Tensor, torch.Tensor]]
     valid: torch.Tensor | None = None  # [B, T] bool: positions the method predicts at all
+
+
+@dataclass
+class AlignedPass:
+    """One pass of token-aligned training (training/alignment.py)."""
+
+    forward: DraftForward  # the pass's logits and feature pairs
+    mask: torch.Tensor  # [B, T] bool: m_t, the positions this pass trains (before the loss mask)
 
 
 class DraftMethod(Protocol):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from vllm_moa.vllm_plugin.drafting import DraftInputs, MoADraftCore
-from vllm_moa.vllm_plugin.patches import LOGGER_NAME
+from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 
 logger = logging.getLogger(LOGGER_NAME)
 

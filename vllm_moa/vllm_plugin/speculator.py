@@ -46,7 +46,7 @@ from vllm_moa.vllm_plugin.drafting import (
     PageRows,
 )
 from vllm_moa.vllm_plugin.loading import load_core
-from vllm_moa.vllm_plugin.patches import LOGGER_NAME
+from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 
 logger = logging.getLogger(LOGGER_NAME)
 
