@@ -97,7 +97,7 @@ def build_drafters(target: Any, device: str, dtype: torch.dtype) -> dict[str, nn
     from vllm_moa.drafters.eagle.model import EagleDrafter
     from vllm_moa.drafters.independent.model import IndependentDrafter
     from vllm_moa.drafters.moa.model import MoADrafter
-    from vllm_moa.model.presets import (
+    from vllm_moa.drafters.presets import (
         TargetInfo,
         make_config,
         make_eagle_config,

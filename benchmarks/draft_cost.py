@@ -77,8 +77,8 @@ def random_drafters(target: str, where: Path) -> tuple[str, str]:
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.eagle.model import EagleDrafter
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config, make_eagle_config
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.presets import make_config, make_eagle_config
 
     info = load_target_info(target)
     moa = MoADrafter(make_config(info, preset="small", tli=0))

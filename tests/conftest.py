@@ -20,8 +20,8 @@ import pytest
 from vllm_moa.decoding.adaptive import StepCosts
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.presets import TargetInfo, make_config
 
 
 def make_hf_model(

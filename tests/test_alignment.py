@@ -12,14 +12,14 @@ from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
-from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.masks import aligned_pass_mask, bounded_memory_limits
-from vllm_moa.model.presets import (
+from vllm_moa.drafters.presets import (
     TargetInfo,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.hf_target import HFTarget
+from vllm_moa.model.masks import aligned_pass_mask, bounded_memory_limits
 from vllm_moa.training.alignment import (
     AlignedPass,
     aligned_loss,

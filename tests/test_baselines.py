@@ -19,14 +19,14 @@ from vllm_moa.drafters.griffin.proposer import GriffinProposer
 from vllm_moa.drafters.independent.method import IndependentMethod
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.independent.proposer import IndependentProposer
-from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.masks import bounded_memory_limits
-from vllm_moa.model.presets import (
+from vllm_moa.drafters.presets import (
     TargetInfo,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.hf_target import HFTarget
+from vllm_moa.model.masks import bounded_memory_limits
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl
 

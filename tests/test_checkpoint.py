@@ -103,7 +103,7 @@ def test_griffin_round_trip_and_validation(tmp_path, llama_target):
     from vllm_moa.checkpoint.validate import check_drafter_dir
     from vllm_moa.drafters import kind_of
     from vllm_moa.drafters.griffin.model import GriffinDrafter
-    from vllm_moa.model.presets import TargetInfo, make_griffin_config
+    from vllm_moa.drafters.presets import TargetInfo, make_griffin_config
 
     info = TargetInfo(llama_target.shape, llama_target.config.num_attention_heads)
     drafter = GriffinDrafter(make_griffin_config(info, "small"))

@@ -6,9 +6,9 @@ import torch
 
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.layers import count_parameters
-from vllm_moa.model.presets import TargetInfo, make_config
 
 LLAMA3_8B = TargetInfo(
     TargetShape(num_layers=32, hidden_size=4096, num_kv_heads=8, head_dim=128, vocab_size=128256),

@@ -7,14 +7,14 @@ import pytest
 from tests.conftest import make_hf_model
 from vllm_moa.decoding import make_proposer
 from vllm_moa.drafters import BY_MODEL_TYPE, BY_NAME, KINDS, kind_of
-from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.presets import (
+from vllm_moa.drafters.presets import (
     TargetInfo,
     make_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.hf_target import HFTarget
 from vllm_moa.training.config import METHODS
 from vllm_moa.training.factory import method_for
 

@@ -19,8 +19,8 @@ from vllm_moa.drafters.eagle.proposer import EagleProposer
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.independent.proposer import IndependentProposer
 from vllm_moa.drafters.moa.proposer import MoAProposer
+from vllm_moa.drafters.presets import TargetInfo, make_eagle_config, make_independent_config
 from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 
 PROMPTS = [
     torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()

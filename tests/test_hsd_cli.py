@@ -13,8 +13,8 @@ from vllm_moa.checkpoint import save_drafter
 from vllm_moa.cli.main import main
 from vllm_moa.decoding.hsd_plan import Candidate, PassCost, PlanInputs
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.presets import make_eagle_config
 from vllm_moa.hf_target import load_target_info
-from vllm_moa.model.presets import make_eagle_config
 
 PROMPT = "def f(x):\n    return x + f(x)\n\ndef g(x):\n    return x"
 

@@ -15,8 +15,8 @@ from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
+from vllm_moa.drafters.presets import TargetInfo, make_eagle_config, make_independent_config
 from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.presets import TargetInfo, make_eagle_config, make_independent_config
 
 WIDE = dict(hidden=256, intermediate=640, heads=8)  # from E=128, MLP 256, 4 heads of 32
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.drafting import paged_draft_step
 from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV, page_views
 

@@ -24,15 +24,15 @@ from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
-from vllm_moa.hf_target import HFTarget
-from vllm_moa.hf_target.adapter import TreeInput
-from vllm_moa.model.kv_cache import KVCache
-from vllm_moa.model.presets import (
+from vllm_moa.drafters.presets import (
     TargetInfo,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.hf_target import HFTarget
+from vllm_moa.hf_target.adapter import TreeInput
+from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.remote import protocol
 from vllm_moa.remote.client import RemoteClient, RemoteError
 from vllm_moa.remote.protocol import Finish, ProtocolError, QTensor

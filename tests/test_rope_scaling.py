@@ -27,10 +27,10 @@ from vllm_moa.decoding import SamplingParams, SpeculativeEngine
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.hf_target.info import load_target_info, rope_theta_of
 from vllm_moa.model.layers import Attention
-from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.model.rope import rope_cos_sin
 
 ORIGINAL = 16  # the tiny targets' pretraining length: scaling matters past it

@@ -508,8 +508,8 @@ def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
     ablation in benchmarks/memory_ablation.py), and Trainer(make_method=...) trains a method
     built outside the product's --method choices."""
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
     from vllm_moa.hf_target import HFTarget, load_target_info
-    from vllm_moa.model.presets import make_config
     from vllm_moa.training import TrainConfig, Trainer
 
     info = load_target_info(tiny_target_dir)

@@ -15,8 +15,8 @@ from vllm_moa.cli.main import main
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.drafters.presets import make_config, make_eagle_config, make_griffin_config
 from vllm_moa.hf_target import load_target_info
-from vllm_moa.model.presets import make_config, make_eagle_config, make_griffin_config
 
 
 @pytest.fixture(scope="module")

@@ -35,8 +35,8 @@ def ensure_demo_models(
     """Return (target_dir, drafter_dir), building and training them on first use."""
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.presets import make_config
     from vllm_moa.training import TrainConfig, Trainer
     from vllm_moa.training.pretrain import pretrain_target
 

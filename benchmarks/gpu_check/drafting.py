@@ -30,8 +30,8 @@ from torch import nn
 from benchmarks.gpu_check.common import StepContext, guarded, timer
 from benchmarks.gpu_check.plan import peak_bandwidth
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.drafting import page_rows, paged_draft_step
 from vllm_moa.vllm_plugin.paged_attention import PagedKV, TorchPagedKV, TritonPagedKV, page_views
 

@@ -22,7 +22,7 @@ from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
-from vllm_moa.model.presets import TargetInfo, make_config
+from vllm_moa.drafters.presets import TargetInfo, make_config
 
 TARGET = Shape(16, 128, 256, 3, 2, 1, 64, 10000.0)  # tests/conftest.py's, with vocab 16
 PROMPTS = ([1, 5, 3], [7] * 9, list(range(16)) * 2)

@@ -20,7 +20,7 @@ VLLM_FREE = (
     "vllm_moa.kernels.layer_attention",
     "vllm_moa.kernels.paged_layer_kv",
     "vllm_moa.kernels.tree_attention",
-    "vllm_moa.model.presets",
+    "vllm_moa.drafters.presets",
     "vllm_moa.drafters.moa.model",
     "vllm_moa.drafters.moa.proposer",
     "vllm_moa.hf_target",

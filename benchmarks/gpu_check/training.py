@@ -21,7 +21,7 @@ from benchmarks.cost_model import LLAMA3_8B, SMOKE, build_target
 from benchmarks.gpu_check.common import StepContext, guarded, sync
 from vllm_moa.devices import training_autocast
 from vllm_moa.drafters.moa.model import MoADrafter
-from vllm_moa.model.presets import TargetInfo, make_config
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Batch, Example, collate
 from vllm_moa.training.factory import method_for

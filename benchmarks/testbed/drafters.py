@@ -13,14 +13,14 @@ from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.model import MoADrafter
-from vllm_moa.model.layers import count_parameters
-from vllm_moa.model.presets import (
+from vllm_moa.drafters.presets import (
     TargetInfo,
     make_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.model.layers import count_parameters
 from vllm_moa.training.config import TrainConfig
 
 METHODS = ("moa_tli0", "moa_tli1", "moa_no_lsa", "eagle", "independent")

@@ -58,8 +58,8 @@ def build_pair(base: Path) -> dict[str, Path]:
     MoA TLI=0 and TLI=1 drafters trained briefly against it."""
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.presets import make_config
     from vllm_moa.tiny import TinyTargetSpec, build_tiny_target, stdlib_sources
     from vllm_moa.training.pretrain import pretrain_target
 
@@ -131,8 +131,8 @@ def random_drafter(moa_pair, tmp_path_factory) -> Path:
     """A MoA drafter of random weights for the test target: it (almost) never matches."""
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.presets import make_config
 
     drafter = MoADrafter(make_config(load_target_info(moa_pair["target"]), preset="small"))
     drafter.init_weights(seed=11)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.compiled import Compiled, compile_wanted
 from vllm_moa.vllm_plugin.drafting import page_rows, paged_draft_step, widen
 from vllm_moa.vllm_plugin.paged_attention import CpuPagedKV, bind_stores

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.cpu_linear import DispatchedLinear, dispatch_linears
 
 pytestmark = pytest.mark.vllm

@@ -17,8 +17,8 @@ from torch.utils._pytree import tree_leaves
 
 from tests.conftest import make_hf_model
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.hf_target import HFTarget
-from vllm_moa.model.presets import TargetInfo, make_config
 from vllm_moa.vllm_plugin.drafting import page_rows, paged_draft_step, warm_up
 from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV
 from vllm_moa.vllm_plugin.pages import DrafterPages

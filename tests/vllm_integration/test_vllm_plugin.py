@@ -215,8 +215,8 @@ def _drafter_for(moa_pair, tmp_path, preset="small", **shape):
 
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.presets import make_config
 
     info = load_target_info(moa_pair["target"])
     info = dataclasses.replace(info, shape=dataclasses.replace(info.shape, **shape))

@@ -32,8 +32,8 @@ def random_pair(source, base, config, tli: int):
 
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.model.presets import make_config
 
     target = base / "target"
     torch.manual_seed(0)

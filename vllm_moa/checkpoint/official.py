@@ -32,8 +32,8 @@ from vllm_moa.checkpoint.io import load_checked, load_state_dict, save_drafter
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.presets import TargetInfo
 from vllm_moa.model.rope import rope_scaling_of, scaled_frequencies
+from vllm_moa.model.target_info import TargetInfo
 
 BLOCKS = ("layer_self_attention", "self_attention", "cross_attention")
 TRAINING, MOA_SPEC = "training", "moa_spec"

@@ -22,9 +22,9 @@ NGRAM = "ngram"  # `--drafter ngram`: prompt-lookup drafting, no model (decoding
 def init_drafter(args: argparse.Namespace) -> int:
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
     from vllm_moa.hf_target import load_target_info
     from vllm_moa.model.layers import count_parameters
-    from vllm_moa.model.presets import make_config
 
     info = load_target_info(args.target)
     config = make_config(info, preset=args.preset, tli=args.tli)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from vllm_moa.hf_target.adapter import SUPPORTED_MODEL_TYPES, target_shape
-from vllm_moa.model.presets import TargetInfo
+from vllm_moa.model.target_info import TargetInfo
 
 
 def rope_theta_of(config: object) -> float:

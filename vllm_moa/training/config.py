@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 Method = Literal["moa", "eagle", "griffin", "independent"]
-Preset = Literal["small", "paper"]  # vllm_moa/model/presets.py PRESETS
+Preset = Literal["small", "paper"]  # vllm_moa/drafters/presets.py PRESETS
 MemorySource = Literal["lsa", "hidden"]  # vllm_moa/drafters/moa/config.py MEMORY_SOURCES
 Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autocast
 

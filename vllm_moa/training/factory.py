@@ -12,14 +12,14 @@ from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
-from vllm_moa.hf_target.adapter import HFTarget
-from vllm_moa.hf_target.info import load_target_info
-from vllm_moa.model.presets import (
+from vllm_moa.drafters.presets import (
     make_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.hf_target.adapter import HFTarget
+from vllm_moa.hf_target.info import load_target_info
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.methods import DraftMethod
 

@@ -8,26 +8,16 @@ about 264M trainable parameters at 8B. `small` halves the MLPs and KV heads for 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from vllm_moa.drafters.eagle.config import EagleConfig
 from vllm_moa.drafters.griffin.config import GriffinConfig
 from vllm_moa.drafters.independent.config import IndependentConfig
 from vllm_moa.drafters.moa.config import MoAConfig
-from vllm_moa.model.config import DrafterConfig, TargetShape
+from vllm_moa.model.config import DrafterConfig
+from vllm_moa.model.target_info import TargetInfo
 
 PRESETS = ("paper", "small")
-
-
-@dataclass(frozen=True)
-class TargetInfo:
-    """Target facts a preset needs beyond the shape."""
-
-    shape: TargetShape
-    num_attention_heads: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:
