@@ -161,9 +161,9 @@ def _reset(proposer: Any, length: int) -> None:
 
 
 def measure(shape: Shape, device: str, dtype: torch.dtype, context: int) -> dict[str, Any]:
-    from vllm_moa.decoding.factory import make_proposer
     from vllm_moa.decoding.sampling import SamplingParams
     from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.factories.proposers import make_proposer
 
     timer = make_timer(device)
     target = build_target(shape, device, dtype)

@@ -47,11 +47,11 @@ from vllm_moa.checkpoint import load_drafter, save_drafter
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.method import MoAMethod
 from vllm_moa.drafters.moa.model import MoADrafter
+from vllm_moa.factories.methods import method_for
 from vllm_moa.hf_target import HFTarget, load_target_info
 from vllm_moa.hf_target.adapter import TargetOutput
 from vllm_moa.model.layers import count_parameters
 from vllm_moa.training.data import Example, collate
-from vllm_moa.training.factory import method_for
 
 
 class ReadoutLSA(MoADrafter):
@@ -126,8 +126,8 @@ def train_variant(
     testbed: Path, preset: str, name: str, variant: Variant
 ) -> tuple[MoADrafter, dict[str, Any]]:
     """Train (or reload) one ablation drafter; returns it ready to evaluate, and its stats."""
+    from vllm_moa.factories.methods import make_trainer
     from vllm_moa.tiny import stdlib_sources
-    from vllm_moa.training import Trainer
 
     cfg = PRESETS[preset]
     target_dir = testbed / "target"
@@ -151,7 +151,7 @@ def train_variant(
         drafter = variant.drafter(base)
         init = save_drafter(drafter, run / "init")
         t0 = time.perf_counter()
-        Trainer(
+        make_trainer(
             drafter_train_config(cfg, target_dir, stdlib_sources(cfg.corpus_bytes), run, init),
             make_method=lambda target: variant.method(drafter, target),
         ).train()

@@ -26,10 +26,11 @@ import torch
 from benchmarks.testbed.evaluate import read_prompts, run_generations
 from benchmarks.testbed.report import save_json
 from vllm_moa.checkpoint import load_drafter
-from vllm_moa.decoding import SpeculativeEngine, make_proposer
+from vllm_moa.decoding import SpeculativeEngine
+from vllm_moa.factories.methods import method_for
+from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.training.data import Example, collate
-from vllm_moa.training.factory import method_for
 
 
 @torch.no_grad()

@@ -529,10 +529,10 @@ class InStepEngine(SpeculativeEngine):
 
 
 def _proposer(kind, target):
-    from vllm_moa.decoding import make_proposer
     from vllm_moa.drafters.eagle.model import EagleDrafter
     from vllm_moa.drafters.independent.model import IndependentDrafter
     from vllm_moa.drafters.presets import TargetInfo, make_eagle_config, make_independent_config
+    from vllm_moa.factories.proposers import make_proposer
 
     if kind.startswith("moa"):
         return OracleMoAProposer(make_drafter(target, tli=int(kind[-1]), seed=3), target)

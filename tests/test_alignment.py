@@ -7,7 +7,6 @@ import pytest
 import torch
 from conftest import make_drafter, make_hf_model
 
-from vllm_moa.decoding import make_proposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
@@ -18,6 +17,8 @@ from vllm_moa.drafters.presets import (
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.factories.methods import method_for
+from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.model.masks import aligned_pass_mask, bounded_memory_limits
 from vllm_moa.training.alignment import (
@@ -29,7 +30,6 @@ from vllm_moa.training.alignment import (
 )
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Example, collate
-from vllm_moa.training.factory import method_for
 from vllm_moa.training.losses import masked_kl, masked_smooth_l1
 from vllm_moa.training.methods import DraftForward
 from vllm_moa.training.schedule import memory_limits

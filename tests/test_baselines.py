@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_hf_model
 
-from vllm_moa.decoding import SpeculativeEngine, make_proposer
+from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.method import EagleMethod
@@ -25,6 +25,7 @@ from vllm_moa.drafters.presets import (
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.model.masks import bounded_memory_limits
 from vllm_moa.training.data import Example, collate

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import make_hf_model
-from vllm_moa.decoding import make_proposer
 from vllm_moa.drafters import BY_MODEL_TYPE, BY_NAME, KINDS, kind_of
 from vllm_moa.drafters.presets import (
     TargetInfo,
@@ -14,9 +13,10 @@ from vllm_moa.drafters.presets import (
     make_griffin_config,
     make_independent_config,
 )
+from vllm_moa.factories.methods import method_for
+from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.training.config import METHODS
-from vllm_moa.training.factory import method_for
 
 
 def test_every_kind_is_trainable_and_named_once():

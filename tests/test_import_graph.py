@@ -72,6 +72,24 @@ def test_no_import_cycles():
     assert cycles(import_graph()) == []
 
 
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The same arrows between the package's sub-packages (vllm_moa.decoding, ...)."""
+
+    def floor(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    out: dict[str, set[str]] = {floor(m): set() for m in graph}
+    for module, targets in graph.items():
+        out[floor(module)] |= {floor(t) for t in targets} - {floor(module)}
+    return out
+
+
+def test_no_cycles_between_sub_packages():
+    """Every arrow between floors points down: e.g. decoding and training import no drafter
+    kind (the factories one floor above the kinds build what they run)."""
+    assert cycles(package_graph(import_graph())) == []
+
+
 def test_the_check_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -512,7 +512,7 @@ def test_forcing_a_drafters_own_choices_changes_nothing(pair, kind):
     """`propose(..., forced=F)`: with F the drafter's own first choices, the same drafts; with
     other tokens, they are taken as given; the proposer's state is untouched either way."""
     from vllm_moa.checkpoint import load_drafter
-    from vllm_moa.decoding import make_proposer
+    from vllm_moa.factories.proposers import make_proposer
 
     target = HFTarget.from_pretrained(pair["target"])
     proposer = make_proposer(load_drafter(pair[kind], target=target.shape), target)

@@ -505,12 +505,13 @@ def test_ray_fan_out_builds_the_same_cache(tmp_path, tiny_target_dir):
 
 def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
     """MoAMethod(memory_layer=j) feeds a memory_source "hidden" drafter hidden_states[j] (the
-    ablation in benchmarks/memory_ablation.py), and Trainer(make_method=...) trains a method
+    ablation in benchmarks/memory_ablation.py), and make_trainer(make_method=...) trains a method
     built outside the product's --method choices."""
     from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.drafters.presets import make_config
+    from vllm_moa.factories.methods import make_trainer
     from vllm_moa.hf_target import HFTarget, load_target_info
-    from vllm_moa.training import TrainConfig, Trainer
+    from vllm_moa.training import TrainConfig
 
     info = load_target_info(tiny_target_dir)
     target = HFTarget.from_pretrained(tiny_target_dir)
@@ -534,7 +535,7 @@ def test_memory_layer_and_an_injected_method(tmp_path, tiny_target_dir):
         target=tiny_target_dir, data=(str(data),), out=str(tmp_path / "run"), max_steps=2,
         batch_size=2, max_length=32, log_every=1, eval_examples=0,
     )  # fmt: skip
-    trainer = Trainer(cfg, make_method=lambda t: MoAMethod(drafter, t, memory_layer=1))
+    trainer = make_trainer(cfg, make_method=lambda t: MoAMethod(drafter, t, memory_layer=1))
     assert trainer.method.model is drafter and 1 in trainer.method.hidden_layers
     saved = json.loads((trainer.train() / "config.json").read_text())
     assert saved["training"] == {"refresh_min": cfg.refresh_min, "refresh_max": cfg.refresh_max}

@@ -36,8 +36,9 @@ def ensure_demo_models(
     from vllm_moa.checkpoint import save_drafter
     from vllm_moa.drafters.moa.model import MoADrafter
     from vllm_moa.drafters.presets import make_config
+    from vllm_moa.factories.methods import make_trainer
     from vllm_moa.hf_target import load_target_info
-    from vllm_moa.training import TrainConfig, Trainer
+    from vllm_moa.training import TrainConfig
     from vllm_moa.training.pretrain import pretrain_target
 
     recipe = recipe or DemoRecipe()
@@ -60,7 +61,7 @@ def ensure_demo_models(
     drafter = MoADrafter(make_config(load_target_info(target_dir), preset="small", tli=0))
     drafter.init_weights(seed=0)
     init_dir = save_drafter(drafter, base / "drafter-init")
-    Trainer(
+    make_trainer(
         TrainConfig(
             target=str(target_dir),
             data=tuple(map(str, corpus)),

@@ -26,7 +26,7 @@ VLLM_FREE = (
     "vllm_moa.hf_target",
     "vllm_moa.decoding",
     "vllm_moa.training.trainer",
-    "vllm_moa.training.factory",
+    "vllm_moa.factories.methods",
     "vllm_moa.vllm_plugin.paged_attention",
     "vllm_moa.vllm_plugin.drafting",
     "vllm_moa.vllm_plugin.compiled",

@@ -22,9 +22,9 @@ from benchmarks.gpu_check.common import StepContext, guarded, sync
 from vllm_moa.devices import training_autocast
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.presets import TargetInfo, make_config
+from vllm_moa.factories.methods import method_for
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Batch, Example, collate
-from vllm_moa.training.factory import method_for
 from vllm_moa.training.schedule import step_generator
 from vllm_moa.training.trainer import compute_loss
 

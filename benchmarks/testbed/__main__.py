@@ -99,9 +99,9 @@ def _drafters(
     out: Path, cfg: TestbedConfig, corpus: list[Path], methods: list[str], device: str
 ) -> dict[str, dict[str, float]]:
     from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.factories.methods import make_trainer
     from vllm_moa.hf_target import load_target_info
     from vllm_moa.model.layers import count_parameters
-    from vllm_moa.training import Trainer
 
     target_dir = out / "target"
     info = load_target_info(target_dir)
@@ -116,7 +116,7 @@ def _drafters(
         if record is None:
             init = save_drafter(drafter, out / "init" / name)
             t0 = time.perf_counter()
-            Trainer(drafter_train_config(cfg, target_dir, corpus, run, init, device)).train()
+            make_trainer(drafter_train_config(cfg, target_dir, corpus, run, init, device)).train()
             record = {
                 "parameters": count_parameters(drafter)["total"],
                 "train_seconds": time.perf_counter() - t0,

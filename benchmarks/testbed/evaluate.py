@@ -12,9 +12,10 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_moa.checkpoint import load_drafter
-from vllm_moa.decoding import SpeculativeEngine, make_proposer
+from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.tree import TreeParams
+from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target import HFTarget
 
 

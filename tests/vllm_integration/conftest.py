@@ -89,9 +89,10 @@ def build_pair(base: Path) -> dict[str, Path]:
 
 def train_briefly(target: Path, out: Path, corpus: list[Path], **choice: str) -> None:
     """The test drafters' recipe: 60 steps against `target`; `choice`: drafter= or method=."""
-    from vllm_moa.training import TrainConfig, Trainer
+    from vllm_moa.factories.methods import make_trainer
+    from vllm_moa.training import TrainConfig
 
-    Trainer(
+    make_trainer(
         TrainConfig(
             target=str(target),
             data=tuple(map(str, corpus)),
@@ -178,7 +179,7 @@ def standalone_drafts(target_dir, drafter_dir, prompt_ids, max_tokens, k):
 
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.decoding import SpeculativeEngine
-    from vllm_moa.decoding.factory import make_proposer
+    from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target.adapter import HFTarget
 
     target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)

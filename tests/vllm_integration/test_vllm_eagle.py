@@ -18,7 +18,8 @@ def test_exported_eagle_in_vllm_equals_standalone(moa_pair, eagle_drafter, tmp_p
 
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
-    from vllm_moa.decoding import SpeculativeEngine, make_proposer
+    from vllm_moa.decoding import SpeculativeEngine
+    from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target.adapter import HFTarget
 
     k, max_tokens = 4, 32

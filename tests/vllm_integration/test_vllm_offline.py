@@ -171,8 +171,8 @@ def test_one_token_prompt(moa_pair, tli):
 def _reference_chains(target_dir, drafter_dir, contexts, k):
     """The standalone MoAProposer's greedy chain of `k` drafts after each context (fp32)."""
     from vllm_moa.checkpoint import load_drafter
-    from vllm_moa.decoding.factory import make_proposer
     from vllm_moa.decoding.sampling import SamplingParams
+    from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target.adapter import HFTarget
 
     target = HFTarget.from_pretrained(target_dir, dtype=torch.float32)

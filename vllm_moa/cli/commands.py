@@ -16,7 +16,7 @@ from vllm_moa.cli.common import encode_prompt, eos_ids, eos_ids_of, runtime
 if TYPE_CHECKING:
     from vllm_moa.demo import DemoRecipe
 
-NGRAM = "ngram"  # `--drafter ngram`: prompt-lookup drafting, no model (decoding.factory's)
+NGRAM = "ngram"  # `--drafter ngram`: prompt-lookup drafting, no model (factories.proposers')
 
 
 def init_drafter(args: argparse.Namespace) -> int:
@@ -67,7 +67,8 @@ def run_generation(
     from transformers import AutoTokenizer
 
     from vllm_moa.checkpoint import load_drafter
-    from vllm_moa.decoding import SamplingParams, SpeculativeEngine, make_proposer
+    from vllm_moa.decoding import SamplingParams, SpeculativeEngine
+    from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target import HFTarget
 
     sampling = sampling or SamplingParams()
@@ -309,12 +310,13 @@ def train(args: argparse.Namespace) -> int:
     import dataclasses
 
     from vllm_moa.devices import resolve_device
-    from vllm_moa.training import TrainConfig, Trainer
+    from vllm_moa.factories.methods import make_trainer
+    from vllm_moa.training import TrainConfig
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     values.update(data=tuple(args.data), device=resolve_device(args.device))
     cfg = TrainConfig(**values)
-    out = Trainer(cfg).train()
+    out = make_trainer(cfg).train()
     print(f"trained drafter written to {out}")
     return 0
 

@@ -14,7 +14,7 @@ DEFAULT_BUFFER = 4  # `generate --hierarchy` without --buffers: T of every level
 
 def hierarchy_args(args: argparse.Namespace) -> tuple[list[str] | None, list[int] | None]:
     """--hierarchy LEVELS and --buffers T0,T1,..., checked against the other flags."""
-    from vllm_moa.decoding.factory import parse_levels
+    from vllm_moa.factories.proposers import parse_levels
 
     if args.hierarchy is None:
         if args.buffers is not None:
@@ -53,8 +53,8 @@ def run_hierarchy(
     from transformers import AutoTokenizer
 
     from vllm_moa.cli.common import encode_prompt, eos_ids
-    from vllm_moa.decoding.factory import level_proposer
     from vllm_moa.decoding.hierarchy import HierarchicalEngine, Level
+    from vllm_moa.factories.proposers import level_proposer
 
     sizes = buffers or [DEFAULT_BUFFER] * len(hierarchy)
     if len(sizes) != len(hierarchy):
@@ -112,8 +112,8 @@ def _measured_inputs(args: argparse.Namespace) -> Any:
     from transformers import AutoTokenizer
 
     from vllm_moa.cli.common import runtime
-    from vllm_moa.decoding.factory import level_proposer, parse_levels
     from vllm_moa.decoding.hsd_measure import BUILTIN_PROMPTS, MeasureConfig, measure_inputs
+    from vllm_moa.factories.proposers import level_proposer, parse_levels
     from vllm_moa.hf_target import HFTarget
 
     if args.target is None or args.candidates is None:

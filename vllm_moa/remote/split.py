@@ -23,12 +23,12 @@ import torch
 from torch import nn
 
 from vllm_moa.checkpoint.io import WEIGHTS_NAME, drafter_dir_of
-from vllm_moa.decoding.factory import make_proposer
 from vllm_moa.decoding.proposer import Proposer
 from vllm_moa.drafters import kind_of
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
+from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput, split_kv
 
 FEATURE_KINDS = ("eagle", "griffin")  # drafters reading the target's final hidden state

@@ -26,7 +26,6 @@ from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_examples
 from vllm_moa.training.distributed import DistContext
 from vllm_moa.training.evaluation import evaluate
-from vllm_moa.training.factory import build_method, save_method_drafter
 from vllm_moa.training.feature_cache import FeatureCache
 from vllm_moa.training.losses import masked_kl, masked_smooth_l1
 from vllm_moa.training.methods import DraftMethod
@@ -95,11 +94,14 @@ class Trainer:
     def __init__(
         self,
         cfg: TrainConfig,
+        make_method: Callable[[HFTarget], DraftMethod],
+        save: Callable[[DraftMethod, Path], Path],
         dist: DistContext | None = None,
-        make_method: Callable[[HFTarget], DraftMethod] | None = None,
     ) -> None:
-        """`make_method` replaces the drafter `cfg` names (cfg.drafter / cfg.method) with a method
-        built on the loaded target: ablations outside the product's methods train through it."""
+        """`make_method` builds the training method on the loaded target and `save` writes its
+        trained drafter to a directory: `vllm_moa.factories.methods.make_trainer` passes those of
+        the drafter `cfg` names (cfg.drafter / cfg.method); ablations outside the product's
+        methods pass their own."""
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -114,7 +116,8 @@ class Trainer:
         self.train_examples: list[Example] = examples[: len(examples) - held] or examples
         self.eval_examples: list[Example] = examples[len(examples) - held :]
         self.pad_id = tokenizer.pad_token_id or 0
-        self.method = make_method(self.target) if make_method else build_method(cfg, self.target)
+        self.method = make_method(self.target)
+        self._save = save
         self.method.model.to(self.dist.device)
         # Forward passes go through the (possibly DDP-wrapped) module so gradients sync.
         self.method.module = self.dist.wrap(self.method.model)
@@ -290,7 +293,7 @@ class Trainer:
     def _finish(self) -> Path:
         drafter_dir = self.out / "drafter"
         if self.dist.is_main:
-            save_method_drafter(self.method, drafter_dir, self.cfg)
+            self._save(self.method, drafter_dir)
             from vllm_moa.training.plot import plot_metrics
 
             plot_metrics(self.out / METRICS, self.out / "metrics.png")

@@ -1,7 +1,9 @@
-"""Build the drafter a training run trains, and save it where `generate --drafter` reads it."""
+"""Build the drafter a training run trains, its training method and its saver (where `generate
+--drafter` reads it), and the trainer that takes them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
@@ -21,7 +23,9 @@ from vllm_moa.drafters.presets import (
 from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.hf_target.info import load_target_info
 from vllm_moa.training.config import TrainConfig
+from vllm_moa.training.distributed import DistContext
 from vllm_moa.training.methods import DraftMethod
+from vllm_moa.training.trainer import Trainer
 
 
 def new_drafter(cfg: TrainConfig) -> nn.Module:
@@ -69,3 +73,14 @@ def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Pat
     if cfg.align_steps > 1:
         training |= {"align_steps": cfg.align_steps, "align_topk": cfg.align_topk}
     return save_drafter(method.model, out, training=training or None)
+
+
+def make_trainer(
+    cfg: TrainConfig,
+    dist: DistContext | None = None,
+    make_method: Callable[[HFTarget], DraftMethod] | None = None,
+) -> Trainer:
+    """The trainer of the drafter `cfg` names (or of `make_method`'s, for ablations), saving it
+    with the training facts `generate --drafter` and vLLM read."""
+    build = make_method or (lambda target: build_method(cfg, target))
+    return Trainer(cfg, build, lambda method, out: save_method_drafter(method, out, cfg), dist)
