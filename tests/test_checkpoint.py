@@ -101,9 +101,9 @@ def test_griffin_round_trip_and_validation(tmp_path, llama_target):
     """A GRIFFIN drafter saves its fusion and two-headed layer, loads back to the same weights,
     passes the server-side check, and is recognised as its own kind."""
     from vllm_moa.checkpoint.validate import check_drafter_dir
-    from vllm_moa.drafters import kind_of
     from vllm_moa.drafters.griffin.model import GriffinDrafter
     from vllm_moa.drafters.presets import TargetInfo, make_griffin_config
+    from vllm_moa.kinds import kind_of
 
     info = TargetInfo(llama_target.shape, llama_target.config.num_attention_heads)
     drafter = GriffinDrafter(make_griffin_config(info, "small"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import make_hf_model
-from vllm_moa.drafters import BY_MODEL_TYPE, BY_NAME, KINDS, kind_of
 from vllm_moa.drafters.presets import (
     TargetInfo,
     make_config,
@@ -16,11 +15,13 @@ from vllm_moa.drafters.presets import (
 from vllm_moa.factories.methods import method_for
 from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target import HFTarget
-from vllm_moa.training.config import METHODS
+from vllm_moa.kinds import BY_MODEL_TYPE, BY_NAME, KINDS, kind_of
+from vllm_moa.training.config import TrainConfig
 
 
 def test_every_kind_is_trainable_and_named_once():
-    assert set(METHODS) == set(BY_NAME)  # train --method choices are the registry's kinds
+    choices = TrainConfig.__dataclass_fields__["method"].metadata["choices"]()
+    assert set(choices) == set(BY_NAME)  # train --method choices are the registry's kinds
     assert len(BY_MODEL_TYPE) == len(BY_NAME) == len(KINDS)
     for kind in KINDS:
         assert kind.model_type == kind.config_class().MODEL_TYPE

@@ -24,6 +24,7 @@ from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
+from vllm_moa.drafters.moa.split import DeviceMoAProposer
 from vllm_moa.drafters.presets import (
     TargetInfo,
     make_eagle_config,
@@ -37,7 +38,7 @@ from vllm_moa.remote import protocol
 from vllm_moa.remote.client import RemoteClient, RemoteError
 from vllm_moa.remote.protocol import Finish, ProtocolError, QTensor
 from vllm_moa.remote.server import BackgroundServer, ServerLimits
-from vllm_moa.remote.split import DeviceMoAProposer, ServerHalf, fingerprint
+from vllm_moa.remote.split import ServerHalf, fingerprint
 from vllm_moa.remote.verifier import Verifier
 
 # -- the wire format ---------------------------------------------------------------------------

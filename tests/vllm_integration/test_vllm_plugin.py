@@ -197,7 +197,7 @@ def test_bad_speculative_configs_fail_clearly(moa_pair, spec, message):
 
 
 def test_baseline_drafter_is_refused_with_a_hint(moa_pair, tmp_path):
-    from vllm_moa.drafters import BY_NAME
+    from vllm_moa.kinds import BY_NAME
 
     drafter = tmp_path / "eagle"
     shutil.copytree(moa_pair["tli0"], drafter)

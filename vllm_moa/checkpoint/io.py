@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import vllm_moa
-from vllm_moa.drafters import BY_MODEL_TYPE
+from vllm_moa.kinds import BY_MODEL_TYPE
 from vllm_moa.model.config import DrafterConfig, TargetShape, read_config_json
 
 CONFIG_NAME = "config.json"

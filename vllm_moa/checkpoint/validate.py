@@ -20,7 +20,7 @@ from vllm_moa.checkpoint.io import (
     check_tensors,
     load_config,
 )
-from vllm_moa.drafters import BY_MODEL_TYPE
+from vllm_moa.kinds import BY_MODEL_TYPE
 from vllm_moa.model.config import DrafterConfig, TargetShape
 
 TRAIN_CONFIG_NAME = "train_config.json"  # written by `vllm-moa train` beside its drafter/

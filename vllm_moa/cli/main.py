@@ -35,7 +35,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
     """One flag per field of the dataclass `cls`: `--name-with-dashes`, its type from the field's
     annotation (`Literal[...]`: choices; `bool`: store_true; `X | None`: X; `tuple[X, ...]`:
     one or more X), required without a default, and from its `metadata`: `help`, `min` (an int's
-    lower bound, 0 or 1), `group` (a mutually exclusive group) and `cli_default`."""
+    lower bound, 0 or 1), `choices` (a function giving them), `group` (a mutually exclusive
+    group) and `cli_default`."""
     hints = typing.get_type_hints(cls)
     groups: dict[str, Any] = {}
     for field in dataclasses.fields(cls):
@@ -49,6 +50,8 @@ def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs["action"] = argparse.BooleanOptionalAction if field.default else "store_true"
         elif origin is Literal:
             kwargs["choices"] = list(args)
+        elif "choices" in meta:  # a function giving them (a registry's names)
+            kwargs["choices"] = list(meta["choices"]())
         elif origin in (tuple, list):
             kwargs.update(nargs="+", type=args[0])
         elif kind is int and "min" in meta:

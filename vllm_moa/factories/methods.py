@@ -3,25 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
 from torch import nn
 
 from vllm_moa.checkpoint import load_drafter, save_drafter
-from vllm_moa.drafters import kind_of
-from vllm_moa.drafters.eagle.model import EagleDrafter
-from vllm_moa.drafters.griffin.model import GriffinDrafter
-from vllm_moa.drafters.independent.model import IndependentDrafter
-from vllm_moa.drafters.moa.model import MoADrafter
-from vllm_moa.drafters.presets import (
-    make_config,
-    make_eagle_config,
-    make_griffin_config,
-    make_independent_config,
-)
 from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.hf_target.info import load_target_info
+from vllm_moa.kinds import BY_NAME, KINDS, kind_of
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.distributed import DistContext
 from vllm_moa.training.methods import DraftMethod
@@ -29,22 +20,25 @@ from vllm_moa.training.trainer import Trainer
 
 
 def new_drafter(cfg: TrainConfig) -> nn.Module:
-    """A freshly initialised drafter of cfg.method, sized by cfg.preset for cfg.target."""
+    """A freshly initialised drafter of cfg.method, sized by cfg.preset for cfg.target (the
+    kind's sizing function, from the registry, with the `train` options it takes)."""
+    kind = BY_NAME[cfg.method]
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    options = {}
+    for name in OPTIONS:
+        value = getattr(cfg, name)
+        if name in kind.options:
+            options[name] = value
+        elif value != defaults[name]:
+            takers = [k.label or k.name for k in KINDS if name in k.options]
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(
+                f"{flag} {value} applies to {' and '.join(takers)} only; drop it for "
+                f"--method {cfg.method}"
+            )
     info = load_target_info(cfg.target)
-    drafter: nn.Module
-    if cfg.method == "moa":
-        drafter = MoADrafter(
-            make_config(info, cfg.preset, tli=cfg.tli, memory_source=cfg.memory_source)
-        )
-    elif cfg.tli:
-        raise ValueError(f"--tli {cfg.tli} applies to MoA only; {cfg.method} drafts with TLI=0")
-    elif cfg.method == "eagle":
-        drafter = EagleDrafter(make_eagle_config(info, cfg.preset))
-    elif cfg.method == "griffin":
-        drafter = GriffinDrafter(make_griffin_config(info, cfg.preset))
-    else:
-        drafter = IndependentDrafter(make_independent_config(info, cfg.preset))
-    drafter.init_weights(cfg.seed)
+    drafter: nn.Module = kind.module_class()(kind.sizing_function()(info, cfg.preset, **options))
+    drafter.init_weights(cfg.seed)  # type: ignore[operator]
     return drafter
 
 
@@ -54,6 +48,10 @@ def method_for(drafter: nn.Module, target: HFTarget, feature_noise: float = 0.0)
     method_class = kind_of(drafter).method_class()
     method: DraftMethod = method_class(drafter, target, feature_noise=feature_noise)
     return method
+
+
+# `train` options a drafter kind's sizing may take (`DrafterKind.options`).
+OPTIONS = ("tli", "memory_source")
 
 
 def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
@@ -68,7 +66,7 @@ def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Pat
     """The trained drafter, with the chain lengths MoA's bounded cross-attention was trained for
     (K ~ U[refresh_min, refresh_max]) and any token alignment recorded in its config.json."""
     training: dict[str, int] = {}
-    if isinstance(method.model, MoADrafter):
+    if method.k_bounded:  # trained for chains of K ~ U[refresh_min, refresh_max]
         training = {"refresh_min": cfg.refresh_min, "refresh_max": cfg.refresh_max}
     if cfg.align_steps > 1:
         training |= {"align_steps": cfg.align_steps, "align_topk": cfg.align_topk}

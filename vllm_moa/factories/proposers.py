@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from vllm_moa.decoding.proposer import LevelProposer, Proposer
-from vllm_moa.drafters import kind_of
 from vllm_moa.hf_target.adapter import SUPPORTED_MODEL_TYPES, HFTarget
+from vllm_moa.kinds import kind_of
 from vllm_moa.model.packed_linear import pack_linears
 
 NGRAM = "ngram"  # prompt lookup (decoding/ngram_proposer.py): no model

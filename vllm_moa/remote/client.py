@@ -42,7 +42,7 @@ from vllm_moa.decoding.adaptive import (
 from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree, TreeParams
-from vllm_moa.drafters import kind_of
+from vllm_moa.kinds import kind_of
 from vllm_moa.remote import protocol
 from vllm_moa.remote.device_target import DeviceTarget
 from vllm_moa.remote.protocol import Finish, QTensor

@@ -1,16 +1,12 @@
-"""Which half of a drafter runs where, and what crosses the link per verified token.
+"""Which half of a drafter runs where, and what crosses the link per verified token: each kind's
+`Split` (drafters/split.py, named in the registry) says; this module asks it.
 
-- MoA, TLI = N: the server runs LSA + mean + Ekv2E and CA's memory K/V projection, and sends
-  that K|V (2 E_kv_CA values per token) plus the target's last N layers' K/V (2 E_kv N); the
-  client holds SA, CA, the embeddings, the last N layers, the final norm and the LM head.
-- EAGLE and GRIFFIN: the server sends the target's final (normalised) hidden state (E values);
-  the client holds the drafter's layer (GRIFFIN: and its fusion), the embeddings and the LM head.
-- independent: nothing but tokens; the client holds the whole small model.
+- MoA, TLI = N: the CA memory K|V and the target's last N layers' K/V (drafters/moa/split.py).
+- EAGLE and GRIFFIN: the target's final (normalised) hidden state.
+- independent: nothing but tokens.
 
-The paper's message sizes (Table 7) count MoA's memory as 2 E_kv: the CA memory K|V, whose width
-is the drafter's, here `2 * ca_num_kv_heads * head_dim`. The client runs the project's own
-standalone proposers on these rows (`client_output` turns them into the `TargetOutput` those
-proposers read; MoA's memory rows arrive already projected, hence `DeviceMoAProposer`).
+The client runs the project's own standalone proposers on these rows (`client_output` turns them
+into the `TargetOutput` those proposers read; MoA's memory rows arrive already projected).
 """
 
 from __future__ import annotations
@@ -24,14 +20,10 @@ from torch import nn
 
 from vllm_moa.checkpoint.io import WEIGHTS_NAME, drafter_dir_of
 from vllm_moa.decoding.proposer import Proposer
-from vllm_moa.drafters import kind_of
-from vllm_moa.drafters.eagle.model import EagleDrafter
-from vllm_moa.drafters.moa.model import MoADrafter
-from vllm_moa.drafters.moa.proposer import MoAProposer
+from vllm_moa.drafters.split import Split
 from vllm_moa.factories.proposers import make_proposer
-from vllm_moa.hf_target.adapter import HFTarget, TargetOutput, split_kv
-
-FEATURE_KINDS = ("eagle", "griffin")  # drafters reading the target's final hidden state
+from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
+from vllm_moa.kinds import BY_NAME, kind_of
 
 
 def fingerprint(drafter_dir: str | Path) -> bytes:
@@ -41,6 +33,12 @@ def fingerprint(drafter_dir: str | Path) -> bytes:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.digest()[:8]
+
+
+def split_of(kind: str) -> Split:
+    """The registered kind's split (KeyError for an unknown kind name)."""
+    split: Split = BY_NAME[kind].split_class()()
+    return split
 
 
 @dataclass
@@ -57,58 +55,25 @@ class ServerHalf:
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         """Hidden states the server's target pass must return."""
-        d = self.drafter
-        if isinstance(d, EagleDrafter) or (isinstance(d, MoADrafter) and not d.uses_lsa):
-            return (self.num_layers,)
-        return ()
+        return split_of(self.kind).hidden_layers(self.drafter, self.num_layers)
 
     @torch.no_grad()
     def rows(self, verified: TargetOutput, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per verified token (rows of `verified`, at `positions`), the tensors to send, each
         [n, ..., W] (one int8 scale per W-vector)."""
-        d = self.drafter
-        if isinstance(d, MoADrafter):
-            source = verified.layer_kv if d.uses_lsa else verified.hidden_states[self.num_layers]
-            memory = d.encode_memory(source.to(d.dtype))
-            k, v = d.memory_kv(memory[None], positions)  # [1, Hkv, n, D]
-            out = [torch.stack([k[0], v[0]], dim=1).permute(2, 0, 1, 3).flatten(1, 2)]
-            if d.config.tli:  # [n, N, 2*Hkv, D]: per layer k_h0, v_h0, k_h1, ...
-                tail = verified.layer_kv[:, self.num_layers - d.config.tli :]
-                out.append(tail.unflatten(-1, (-1, d.config.target_head_dim)))
-            return out  # memory: [n, 2*Hkv (k_h0, v_h0, ...), D]
-        if isinstance(d, EagleDrafter):
-            return [verified.hidden_states[self.num_layers]]
-        return []  # independent: tokens only
-
-
-class DeviceMoAProposer(MoAProposer):
-    """MoA's standalone proposer on the client: the memory rows arrive from the server as CA
-    keys/values (`verified.layer_kv`: [n, 2*Hkv, D], heads as k_h0, v_h0, k_h1, ...), so the
-    LSA, Ekv2E and K/V projection the local proposer would run have already run there."""
-
-    @torch.no_grad()
-    def _extend_memory(self, verified: TargetOutput) -> None:
-        rows = verified.layer_kv.flatten(1)[None]  # [1, n, 2*Hkv*D]
-        k, v = split_kv(rows, self.drafter.config.ca_num_kv_heads)
-        self.memory.update(k.to(self.dtype), v.to(self.dtype), 0)
+        return split_of(self.kind).rows(self.drafter, verified, positions, self.num_layers)
 
 
 def client_proposer(drafter: nn.Module, target: HFTarget) -> Proposer:
-    if isinstance(drafter, MoADrafter):
-        return DeviceMoAProposer(drafter, target)
-    return make_proposer(drafter, target)
+    proposer = split_of(kind_of(drafter).name).client_proposer(drafter, target)
+    return proposer if proposer is not None else make_proposer(drafter, target)
 
 
 def client_output(kind: str, num_layers: int, tensors: list[torch.Tensor], n: int) -> TargetOutput:
     """The TargetOutput the client's proposer reads, from the server's rows for n tokens."""
-    empty = torch.empty(n, 0)
-    if kind == "moa":
-        return TargetOutput(logits=empty, layer_kv=tensors[0])
-    if kind in FEATURE_KINDS:
-        return TargetOutput(logits=empty, layer_kv=empty, hidden_states={num_layers: tensors[0]})
-    return TargetOutput(logits=empty, layer_kv=empty)
+    return split_of(kind).client_output(num_layers, tensors, n)
 
 
 def expected_rows(kind: str, tli: int) -> int:
     """How many tensors a STARTED / VERIFIED message carries for this drafter."""
-    return 1 + (tli > 0) if kind == "moa" else int(kind in FEATURE_KINDS)
+    return split_of(kind).expected_rows(tli)

@@ -13,14 +13,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
-Method = Literal["moa", "eagle", "griffin", "independent"]
+from vllm_moa.kinds import kind_names
+
 Preset = Literal["small", "paper"]  # vllm_moa/drafters/presets.py PRESETS
 MemorySource = Literal["lsa", "hidden"]  # vllm_moa/drafters/moa/config.py MEMORY_SOURCES
 Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autocast
-
-METHODS: tuple[str, ...] = get_args(Method)
 
 
 @dataclass(frozen=True)
@@ -35,11 +34,12 @@ class TrainConfig:
     drafter: str | None = field(
         default=None, metadata={"group": "drafter", "help": "drafter directory to start from"}
     )
-    method: Method = field(
+    method: str = field(
         default="moa",
         metadata={
             "group": "drafter",
             "help": "else a new drafter of this method, sized by --preset",
+            "choices": kind_names,  # the registered drafter kinds (vllm_moa/kinds.py)
         },
     )
     preset: Preset = field(
@@ -151,8 +151,8 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {list(METHODS)}, got {self.method!r}")
+        if self.method not in kind_names():
+            raise ValueError(f"method must be one of {list(kind_names())}, got {self.method!r}")
         positive = ("max_steps", "batch_size", "grad_accum", "max_length", "log_every")
         for name in (*positive, "align_steps", "align_topk"):
             if getattr(self, name) < 1:

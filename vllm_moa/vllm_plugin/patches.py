@@ -129,7 +129,7 @@ def moa_drafter_model_type(path: object) -> str | None:
     config = drafter_dir_of(path) / "config.json"
     if not config.is_file():
         return None
-    from vllm_moa.drafters import BY_MODEL_TYPE
+    from vllm_moa.kinds import BY_MODEL_TYPE
     from vllm_moa.model.config import read_config_json
 
     try:

@@ -7,5 +7,5 @@ export-eagle`); the output predicts f_{i+1}, read by the target's LM head withou
 1-step bounded, TLI = 0.
 
 config.py: EagleConfig; model.py: EagleDrafter; proposer.py: EagleProposer (chains and EAGLE-2
-trees); method.py: EagleMethod (training). Registered in vllm_moa.drafters.
+trees); method.py: EagleMethod (training). Registered in vllm_moa.kinds.
 """

@@ -6,5 +6,5 @@ the LM head reads, one the next draft step reads as its feature).
 config.py: GriffinConfig; model.py: GriffinDrafter (an EagleDrafter whose fusion, layer and
 heads differ); proposer.py: GriffinProposer (EAGLE's chains and EAGLE-2 trees); method.py:
 GriffinMethod (EAGLE's training, token-aligned with `--align-steps`). Registered in
-vllm_moa.drafters. vLLM's EAGLE loader cannot hold TGF or TEH: `export-eagle` refuses it.
+vllm_moa.kinds. vLLM's EAGLE loader cannot hold TGF or TEH: `export-eagle` refuses it.
 """

@@ -4,5 +4,5 @@ target's LM head; it never sees target activations.
 
 config.py: IndependentConfig; model.py: IndependentDrafter; proposer.py: IndependentProposer
 (chains and EAGLE-2 trees); method.py: IndependentMethod (training). Registered in
-vllm_moa.drafters.
+vllm_moa.kinds.
 """

@@ -3,5 +3,5 @@ that CA reads; SA runs over the target's token embeddings; with TLI > 0 the targ
 finish the draft.
 
 config.py: MoAConfig; model.py: MoADrafter; proposer.py: MoAProposer (chains and EAGLE-2 trees);
-method.py: MoAMethod (training). Registered in vllm_moa.drafters.
+method.py: MoAMethod (training). Registered in vllm_moa.kinds.
 """
