@@ -109,7 +109,7 @@ def main() -> None:
 
     from benchmarks.testbed.evaluate import read_prompts
     from benchmarks.testbed.report import save_json
-    from vllm_moa.vllm_plugin.patches import unfixed_cpu_expand
+    from vllm_moa.vllm_plugin.cpu_fixes import unfixed_cpu_expand
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True)

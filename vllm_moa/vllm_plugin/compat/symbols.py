@@ -1,11 +1,11 @@
 """The vLLM internals the plugin relies on, as found in vLLM 0.32.0's source.
 
-vllm_moa patches and reads vLLM's own code (patches.py, proposer.py, speculator.py and the
-modules they use), so a new vLLM release can break it without any import failing. `SYMBOLS` lists
-every vLLM module, class, function, method, property, dataclass field and attribute the package
-imports, calls, patches (assigns), subclasses or reads, with the file that defines it; a test
-checks a release's source for them (parsing the files, not importing vLLM). Nothing here imports
-vLLM.
+vllm_moa patches and reads vLLM's own code (patches.py, cpu_fixes.py, proposer.py, speculator.py
+and the modules they use), so a new vLLM release can break it without any import failing.
+`SYMBOLS` lists every vLLM module, class, function, method, property, dataclass field and
+attribute the package imports, calls, patches (assigns), subclasses or reads, with the file that
+defines it; a test checks a release's source for them (parsing the files, not importing vLLM).
+Nothing here imports vLLM.
 
 Each `Symbol`:
 - `path`: the defining file, relative to site-packages (`vllm/v1/worker/gpu_model_runner.py`).
@@ -541,7 +541,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/platforms/cpu.py",
         "CpuPlatform.register_triton_kernel_overrides",
         "classmethod",
-        used_by="indirect: patches: 6a",
+        used_by="indirect: cpu_fixes: a",
     ),
     # The entry-point group of pyproject.toml's `register` plugin.
     Symbol(
@@ -550,13 +550,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         "module-attribute",
         used_by="indirect: __init__ (register)",
     ),
-    Symbol("vllm/utils/cpu_triton_utils.py", "<module>", "module", used_by="patches: 6a"),
+    Symbol("vllm/utils/cpu_triton_utils.py", "<module>", "module", used_by="cpu_fixes: a"),
     Symbol(
         "vllm/utils/cpu_triton_utils.py",
         "_expand_kernel_impl",
         "function",
         ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS"),
-        used_by="patches: 6a",
+        used_by="cpu_fixes: a",
     ),
     # -- vllm/v1/attention ----------------------------------------------------------------------
     Symbol(
@@ -753,14 +753,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         used_by="drafting",
     ),
     # -- vllm/v1/sample, vllm/v1/spec_decode ----------------------------------------------------
-    Symbol("vllm/v1/sample/ops/topk_topp_sampler.py", "<module>", "module", used_by="patches: 6b"),
+    Symbol("vllm/v1/sample/ops/topk_topp_sampler.py", "<module>", "module", used_by="cpu_fixes: b"),
     # Called through the module global by its caller in the same module: the patch takes effect.
     Symbol(
         "vllm/v1/sample/ops/topk_topp_sampler.py",
         "apply_top_k_only",
         "function",
         ("logits", "k"),
-        used_by="patches: 6b",
+        used_by="cpu_fixes: b",
     ),
     # The custom_class branch: builds MoAVllmProposer(vllm_config), requires `propose`.
     Symbol(
@@ -828,7 +828,7 @@ SYMBOLS: tuple[Symbol, ...] = (
     ),
     # -- vllm/v1/utils.py, vllm/v1/worker -------------------------------------------------------
     Symbol("vllm/v1/utils.py", "CpuGpuBuffer.gpu", "instance-attribute", used_by="patches: 4"),
-    Symbol("vllm/v1/utils.py", "CpuGpuBuffer.np", "instance-attribute", used_by="patches: 6c"),
+    Symbol("vllm/v1/utils.py", "CpuGpuBuffer.np", "instance-attribute", used_by="cpu_fixes: c"),
     Symbol(
         "vllm/v1/worker/block_table.py",
         "BlockTable.block_size",
@@ -860,7 +860,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/worker/cpu_model_runner.py",
         "CPUModelRunner",
         "class",
-        used_by="indirect: patches: 4, 6c",
+        used_by="indirect: patches: 4; cpu_fixes: c",
     ),
     # Calls drafter.load_model(self.model): MoAVllmProposer.load_model.
     Symbol(
@@ -904,13 +904,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.generators",
         "instance-attribute",
-        used_by="patches: 6c, proposer",
+        used_by="cpu_fixes: c; proposer",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.num_reqs",
         "property",
-        used_by="patches: 6c",
+        used_by="cpu_fixes: c",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
@@ -940,7 +940,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner",
         "class",
-        used_by="patches: 4, 6c",
+        used_by="patches: 4; cpu_fixes: c",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -953,7 +953,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner._bookkeeping_sync",
         "method",
-        used_by="patches: 6c",
+        used_by="cpu_fixes: c",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -973,7 +973,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "GPUModelRunner._sample",
         "method",
         ("self", "logits", "spec_decode_metadata"),
-        used_by="patches: 4, 6c",
+        used_by="patches: 4; cpu_fixes: c",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -998,7 +998,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.discard_request_mask",
         "instance-attribute",
-        used_by="patches: 6c",
+        used_by="cpu_fixes: c",
     ),
     # The custom_class branch of __init__ assigns it create_custom_proposer's instance.
     Symbol(
@@ -1018,7 +1018,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.input_batch",
         "instance-attribute",
-        used_by="patches: 6c, proposer",
+        used_by="cpu_fixes: c; proposer",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -1088,7 +1088,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/v1/worker/worker_base.py",
         "WorkerWrapperBase.init_worker",
         "method",
-        used_by="indirect: patches: 6a",
+        used_by="indirect: cpu_fixes: a",
     ),
     # -- vllm/v1/worker/gpu: the V2 model runner (speculator.py, patches: 3) --------------------
     # Per KV-cache group: int32 [max_num_reqs, n] block tables of the step's batch rows.

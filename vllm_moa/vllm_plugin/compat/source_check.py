@@ -1,4 +1,4 @@
-"""Check a vLLM release's source for every internal the plugin relies on (`vllm_symbols.SYMBOLS`).
+"""Check a vLLM release's source for every internal the plugin relies on (`symbols.SYMBOLS`).
 
 The source is read, never imported, so any release can be checked on any machine: a directory
 that holds the `vllm/` package (an installed site-packages) or a wheel file (`pip download
@@ -6,7 +6,7 @@ vllm==X --no-deps`). A symbol passes when its file exists and defines it as its 
 function or method whose signature we depend on, our parameters must appear in the release's in
 the same order, and any parameter the release adds must have a default.
 
-    python -m vllm_moa.vllm_plugin.source_check vllm-0.33.0-....whl   # or a site-packages dir
+    python -m vllm_moa.vllm_plugin.compat.source_check vllm-0.33.0-....whl  # or site-packages
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from vllm_moa.vllm_plugin.vllm_symbols import SYMBOLS, Symbol
+from vllm_moa.vllm_plugin.compat.symbols import SYMBOLS, Symbol
 
 
 class Source:
