@@ -82,11 +82,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     from benchmarks.testbed.evaluate import read_prompts
     from vllm_moa.decoding import SpeculativeEngine
-    from vllm_moa.decoding.hierarchy import HierarchicalEngine, Level
-    from vllm_moa.decoding.hsd_measure import MeasureConfig, measure_inputs
-    from vllm_moa.decoding.hsd_plan import PlanInputs, best_plans
     from vllm_moa.factories.proposers import level_proposer, parse_levels
     from vllm_moa.hf_target import HFTarget
+    from vllm_moa.hsd.hierarchy import HierarchicalEngine, Level
+    from vllm_moa.hsd.measure import MeasureConfig, measure_inputs
+    from vllm_moa.hsd.plan import PlanInputs, best_plans
 
     torch.manual_seed(0)
     target = HFTarget.from_pretrained(args.target)

@@ -10,7 +10,6 @@ import torch
 from tests.conftest import OracleMoAProposer, make_drafter, make_hf_model
 from tests.test_sampling import NEW, PROMPT, VOCAB, _chi2_pvalue, _exact_joint, always_accept
 from vllm_moa.decoding import NgramProposer, SamplingParams, SpeculativeEngine
-from vllm_moa.decoding.hierarchy import Block, HierarchicalEngine, Level
 from vllm_moa.decoding.proposer import LevelScorer
 from vllm_moa.decoding.sampling import probabilities, verify_rejection
 from vllm_moa.decoding.stats import GenerationStats, LevelStats
@@ -21,6 +20,7 @@ from vllm_moa.drafters.independent.proposer import IndependentProposer
 from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.drafters.presets import TargetInfo, make_eagle_config, make_independent_config
 from vllm_moa.hf_target import HFTarget
+from vllm_moa.hsd.hierarchy import Block, HierarchicalEngine, Level
 
 PROMPTS = [
     torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()

@@ -11,10 +11,10 @@ import pytest
 from tests.test_cli import _error, run_cli
 from vllm_moa.checkpoint import save_drafter
 from vllm_moa.cli.main import main
-from vllm_moa.decoding.hsd_plan import Candidate, PassCost, PlanInputs
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.presets import make_eagle_config
 from vllm_moa.hf_target import load_target_info
+from vllm_moa.hsd.plan import Candidate, PassCost, PlanInputs
 
 PROMPT = "def f(x):\n    return x + f(x)\n\ndef g(x):\n    return x"
 

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from vllm_moa.decoding import SamplingParams
-from vllm_moa.decoding.hierarchy import HierarchicalEngine, Level
-from vllm_moa.decoding.hsd_plan import (
+from vllm_moa.decoding.proposer import DraftProposal
+from vllm_moa.decoding.stats import GenerationStats, LevelStats
+from vllm_moa.hsd.hierarchy import HierarchicalEngine, Level
+from vllm_moa.hsd.plan import (
     Candidate,
     PassCost,
     PlanInputs,
@@ -21,8 +23,6 @@ from vllm_moa.decoding.hsd_plan import (
     search,
     upper_stage,
 )
-from vllm_moa.decoding.proposer import DraftProposal
-from vllm_moa.decoding.stats import GenerationStats, LevelStats
 
 
 def sd_latency(alpha: float, t: int, draft: float, verify: float) -> float:

@@ -1,5 +1,5 @@
 """`vllm-moa generate --hierarchy` and `vllm-moa hsd-plan`: hierarchical speculative decoding
-from the command line (decoding/hierarchy.py, hsd_plan.py, hsd_measure.py; docs/hsd.md)."""
+from the command line (vllm_moa/hsd/: hierarchy.py, plan.py, measure.py; docs/hsd.md)."""
 
 from __future__ import annotations
 
@@ -53,8 +53,8 @@ def run_hierarchy(
     from transformers import AutoTokenizer
 
     from vllm_moa.cli.common import encode_prompt, eos_ids
-    from vllm_moa.decoding.hierarchy import HierarchicalEngine, Level
     from vllm_moa.factories.proposers import level_proposer
+    from vllm_moa.hsd.hierarchy import HierarchicalEngine, Level
 
     sizes = buffers or [DEFAULT_BUFFER] * len(hierarchy)
     if len(sizes) != len(hierarchy):
@@ -112,9 +112,9 @@ def _measured_inputs(args: argparse.Namespace) -> Any:
     from transformers import AutoTokenizer
 
     from vllm_moa.cli.common import runtime
-    from vllm_moa.decoding.hsd_measure import BUILTIN_PROMPTS, MeasureConfig, measure_inputs
     from vllm_moa.factories.proposers import level_proposer, parse_levels
     from vllm_moa.hf_target import HFTarget
+    from vllm_moa.hsd.measure import BUILTIN_PROMPTS, MeasureConfig, measure_inputs
 
     if args.target is None or args.candidates is None:
         raise ValueError("--measure needs --target DIR and --candidates LEVELS (e.g. ngram,DIR)")
@@ -140,7 +140,7 @@ def _measured_inputs(args: argparse.Namespace) -> Any:
 
 
 def hsd_plan(args: argparse.Namespace) -> int:
-    from vllm_moa.decoding.hsd_plan import PlanInputs, best_plans
+    from vllm_moa.hsd.plan import PlanInputs, best_plans
 
     if args.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {args.temperature}")

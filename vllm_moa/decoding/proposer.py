@@ -70,7 +70,7 @@ class TreeProposer(Proposer, Protocol):
 
 @runtime_checkable
 class LevelProposer(Proposer, Protocol):
-    """A proposer that can be the bottom level of a hierarchy (decoding/hierarchy.py): it drafts
+    """A proposer that can be the bottom level of a hierarchy (hsd/hierarchy.py): it drafts
     after tokens the target has not verified yet. `pending`: the tokens after the verified
     prefix, the sampled-but-unverified last token first, then what the levels above accepted
     this cycle. The call leaves the proposer's state as it found it (the verified prefix only);

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class LevelStats:
-    """One drafter level of a hierarchy (decoding/hierarchy.py), over one generation."""
+    """One drafter level of a hierarchy (hsd/hierarchy.py), over one generation."""
 
     name: str  # `ngram`, or the drafter's kind and directory
     buffer: int  # T: the tokens it gathers before handing them up

@@ -9,7 +9,7 @@ State between cycles (p = number of tokens the target has verified):
 A cycle drafts from the last token (position p, sampled by the target but not yet run through
 it): SA over the pending tokens, CA over the memory, then TLI's target tail layers (their draft
 K/V are cropped off the target cache afterwards) and the target's LM head. In a hierarchy
-(decoding/hierarchy.py) the same step drafts after several unverified tokens (`draft_after`) or
+(hsd/hierarchy.py) the same step drafts after several unverified tokens (`draft_after`) or
 scores a block of them in one pass (`score`), leaving this state as it was.
 """
 

@@ -5,7 +5,7 @@ verifies it in one scoring pass with the lossless rule (verify_greedy / rejectio
 the accepted tokens and its own correction or bonus token, and asks again until it holds at least
 its buffer size T_i; then it hands the buffer up. The target verifies the top level's buffer last
 (Globerson, Kaplan, Mansour, Mohri, Schuster 2025: Algorithm 1, the recursion; Algorithm 2, the
-rule). See docs/hsd.md; the latency model and the choice of levels and buffers: hsd_plan.py.
+rule). See docs/hsd.md; the latency model and the choice of levels and buffers: plan.py.
 
 Why the output is the target's, whatever the levels: rejection sampling turns proposals into
 tokens distributed as the verifier's own samples, provided each proposal comes with the

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moa.decoding.hierarchy import HierarchicalEngine, Level
-from vllm_moa.decoding.hsd_plan import TARGET, Candidate, PassCost, PlanInputs
 from vllm_moa.decoding.proposer import LevelProposer, LevelScorer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.hf_target.adapter import HFTarget
+from vllm_moa.hsd.hierarchy import HierarchicalEngine, Level
+from vllm_moa.hsd.plan import TARGET, Candidate, PassCost, PlanInputs
 
 # Used when no prompts are given: code and prose, some of it repetitive (prompt lookup's case).
 BUILTIN_PROMPTS = (
