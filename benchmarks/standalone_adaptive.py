@@ -28,10 +28,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from transformers import AutoTokenizer
 
     from benchmarks.testbed.evaluate import read_prompts
+    from vllm_moa.adaptive import ADAPTIVE_ENV
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.decoding import SpeculativeEngine
-    from vllm_moa.decoding.adaptive import ADAPTIVE_ENV
     from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target import HFTarget
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from vllm_moa.decoding.adaptive import ADAPTIVE_ENV
+from vllm_moa.adaptive import ADAPTIVE_ENV
 from vllm_moa.vllm_plugin.compiled import COMPILE_ENV
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

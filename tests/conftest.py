@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_MOA_ADAPTIVE", "0")
 
 import pytest
 
-from vllm_moa.decoding.adaptive import StepCosts
+from vllm_moa.adaptive import StepCosts
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.drafters.presets import TargetInfo, make_config

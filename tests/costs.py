@@ -3,7 +3,7 @@ mislead the rule (an oracle drafter that runs the whole target, Triton interpret
 
 from __future__ import annotations
 
-from vllm_moa.decoding.adaptive import StepCosts
+from vllm_moa.adaptive import StepCosts
 
 
 def fixed_costs(

@@ -1,4 +1,4 @@
-"""Adaptive speculation length (decoding/adaptive.py): the estimates, the goodput rule on
+"""Adaptive speculation length (vllm_moa/adaptive.py): the estimates, the goodput rule on
 synthetic costs, and the standalone engine's decisions with drafters that never / always match
 (outputs identical to plain decoding in both)."""
 
@@ -11,8 +11,7 @@ import torch
 from conftest import AlternatingCosts, OracleMoAProposer, make_drafter
 
 from tests.costs import fixed_costs
-from vllm_moa.decoding import SpeculativeEngine
-from vllm_moa.decoding.adaptive import (
+from vllm_moa.adaptive import (
     PROBE_EVERY,
     AcceptanceTracker,
     AdaptiveLengths,
@@ -23,6 +22,7 @@ from vllm_moa.decoding.adaptive import (
     batch_bucket,
     choose_lengths,
 )
+from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.drafters.moa.proposer import MoAProposer
 
 K = 4

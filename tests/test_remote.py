@@ -672,7 +672,7 @@ def test_adaptive_chains_stop_for_a_useless_drafter_and_stay_lossless(pair, plai
         # would rightly stop it: its costs are injected (a draft step 1/20 of a round trip).
         import vllm_moa.remote.client as client_module
         from tests.costs import fixed_costs
-        from vllm_moa.decoding.adaptive import DraftGuard
+        from vllm_moa.adaptive import DraftGuard
 
         monkeypatch.setattr(client_module, "StepCosts", fixed_costs(0.001))
         monkeypatch.setattr(client_module, "DraftGuard", lambda: DraftGuard(enabled=False))

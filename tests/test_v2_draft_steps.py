@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_moa.decoding.adaptive import AcceptanceTracker, StepCosts, best_draft_steps
+from vllm_moa.adaptive import AcceptanceTracker, StepCosts, best_draft_steps
 from vllm_moa.vllm_plugin.draft_steps import DraftSteps
 
 K = 4

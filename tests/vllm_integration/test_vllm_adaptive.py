@@ -22,7 +22,7 @@ MAX_TOKENS = 48
 def injected_costs(monkeypatch) -> None:
     """The proposer's costs replaced (a draft step 1/20 of a target step); the guard off, so
     that the injected model decides alone (the guard would measure this CPU's real times)."""
-    from vllm_moa.decoding.adaptive import DraftGuard
+    from vllm_moa.adaptive import DraftGuard
     from vllm_moa.vllm_plugin import proposer
 
     monkeypatch.setattr(proposer, "StepCosts", fixed_costs(0.001))

@@ -1,7 +1,7 @@
 """The standalone speculative engine: chain drafting, lossless verification, one sequence.
 
 Without a proposer the same loop is plain autoregressive decoding, the baseline. With one, the
-chain length of each cycle adapts to the measured acceptance and costs (decoding/adaptive.py;
+chain length of each cycle adapts to the measured acceptance and costs (vllm_moa/adaptive.py;
 on by default, `adaptive=False` or VLLM_MOA_ADAPTIVE=0 for the fixed K). A cycle of 0 drafts is
 a plain target step that leaves the proposer alone: its rows are handed over (`catch_up`) when
 the engine next drafts, so a drafter that does not pay costs next to nothing.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_moa.decoding.adaptive import (
+from vllm_moa.adaptive import (
     AdaptiveLengths,
     DraftGuard,
     OneRequest,

@@ -8,7 +8,7 @@ temperature: the server verifies them as point masses, which is lossless.
 
 Chains are adaptive by default (`adaptive=False` or VLLM_MOA_ADAPTIVE=0: always K): each cycle
 drafts as many tokens (0 included) as the measured acceptance and costs say pay, by the rule the
-standalone engine and the vLLM plugin use (`decoding/adaptive.py`'s `AdaptiveLengths`, kept by
+standalone engine and the vLLM plugin use (`vllm_moa/adaptive.py`'s `AdaptiveLengths`, kept by
 the client across its calls as an engine keeps it). Here the verify step is the round trip to
 the server (the network, the server's target pass, absorbing its rows), so a slow link makes
 long chains pay and a useless drafter stops drafting. Trees are not adapted.
@@ -30,15 +30,15 @@ from typing import Any
 
 import torch
 
-from vllm_moa.checkpoint import load_drafter
-from vllm_moa.checkpoint.io import drafter_dir_of, load_config
-from vllm_moa.decoding.adaptive import (
+from vllm_moa.adaptive import (
     AdaptiveLengths,
     DraftGuard,
     OneRequest,
     StepCosts,
     adaptive_enabled,
 )
+from vllm_moa.checkpoint import load_drafter
+from vllm_moa.checkpoint.io import drafter_dir_of, load_config
 from vllm_moa.decoding.proposer import TreeProposer
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.decoding.tree import DraftTree, TreeParams

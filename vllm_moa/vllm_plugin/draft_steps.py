@@ -5,7 +5,7 @@ placeholders), so per-request lengths cannot shorten what is verified. What adap
 speculation can still save there is the draft phase: the batch runs m <= K draft steps and the
 slots past them hold padding (the last draft, or the last sampled token at m = 0), which the
 target verifies like any draft (lossless; now and then accepted). m is chosen by
-`AdaptiveLengths.choose_steps` (decoding/adaptive.py): each request's acceptance per position,
+`AdaptiveLengths.choose_steps` (vllm_moa/adaptive.py): each request's acceptance per position,
 and the measured costs of a draft step and of the verify step; a useless drafter ends at m = 0,
 with a probe step now and then.
 
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_moa.decoding.adaptive import AcceptanceTracker, AdaptiveLengths, StepCosts
+from vllm_moa.adaptive import AcceptanceTracker, AdaptiveLengths, StepCosts
 from vllm_moa.vllm_plugin.tensor_parallel import rank0_value
 
 # The target step's time from the previous draft phase's end: a gap longer than this many times

@@ -23,7 +23,7 @@ allocation: chunked prefill needs nothing special (rows are written up to whatev
 cache holds when a request next drafts), and a request resumed after preemption (vLLM hands it
 new blocks) or a reused request id gets its rows rewritten from position 0.
 
-How many tokens each request drafts is chosen per step (decoding/adaptive.py; unless the
+How many tokens each request drafts is chosen per step (vllm_moa/adaptive.py; unless the
 speculative config says "moa_adaptive": false or VLLM_MOA_ADAPTIVE=0): from its acceptance so
 far and the measured costs of the draft phase and of the target's decode step (from the
 runner's execute_model to the proposer). A request given 0 drafts costs nothing that step: its
@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from vllm_moa.decoding.adaptive import (
+from vllm_moa.adaptive import (
     AcceptanceTracker,
     AdaptiveLengths,
     DraftGuard,
@@ -102,7 +102,7 @@ class MoAVllmProposer:
         self.tp = int(parallel.tensor_parallel_size)
         self.core: MoADraftCore | None = None
         self.states: dict[str, RequestState] = {}
-        # Adaptive speculation (decoding/adaptive.py): acceptance prior, costs, chosen lengths.
+        # Adaptive speculation (vllm_moa/adaptive.py): acceptance prior, costs, chosen lengths.
         self.adaptive = adaptive_enabled() and bool(getattr(spec, "moa_adaptive", True))
         self.lengths = AdaptiveLengths(
             self.num_speculative_tokens, StepCosts(cold_phases=1), guard=DraftGuard()

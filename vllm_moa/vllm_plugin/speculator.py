@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
-from vllm_moa.decoding.adaptive import adaptive_enabled
+from vllm_moa.adaptive import adaptive_enabled
 from vllm_moa.vllm_plugin.draft_graphs import DraftGraphs, cuda_capture
 from vllm_moa.vllm_plugin.draft_steps import DraftSteps
 from vllm_moa.vllm_plugin.drafting import (
