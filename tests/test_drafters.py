@@ -24,7 +24,7 @@ def test_every_kind_is_trainable_and_named_once():
     assert set(choices) == set(BY_NAME)  # train --method choices are the registry's kinds
     assert len(BY_MODEL_TYPE) == len(BY_NAME) == len(KINDS)
     for kind in KINDS:
-        assert kind.model_type == kind.config_class().MODEL_TYPE
+        assert kind.model_type == kind.load("config").MODEL_TYPE
 
 
 @pytest.mark.parametrize("name", ["moa", "eagle", "griffin", "independent"])
@@ -38,10 +38,10 @@ def test_each_kind_builds_its_proposer_and_training_method(name):
         "independent": make_independent_config,
     }
     kind = BY_NAME[name]
-    drafter = kind.module_class()(makers[name](info, "small"))
+    drafter = kind.load("module")(makers[name](info, "small"))
     assert kind_of(drafter) is kind
-    assert type(make_proposer(drafter, target)) is kind.proposer_class()
-    assert type(method_for(drafter, target)) is kind.method_class()
+    assert type(make_proposer(drafter, target)) is kind.load("proposer")
+    assert type(method_for(drafter, target)) is kind.load("method")
 
 
 def test_an_unregistered_module_is_refused_by_name():

@@ -59,7 +59,7 @@ def test_a_new_kind_trains_loads_drafts_and_splits(registered, tiny_target_dir, 
     from vllm_moa.decoding import SpeculativeEngine
     from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target import HFTarget
-    from vllm_moa.remote.split import ServerHalf, client_proposer, expected_rows
+    from vllm_moa.remote.split import ServerHalf, client_proposer, split_of
 
     data = tmp_path / "d.txt"
     data.write_text("def f(x):\n    return x + 1\n" * 40)
@@ -82,7 +82,7 @@ def test_a_new_kind_trains_loads_drafts_and_splits(registered, tiny_target_dir, 
     half = ServerHalf(drafter, target.shape.num_layers)
     assert half.kind == "one_layer" and half.hidden_layers == ()
     assert half.rows(target.forward(torch.tensor(prompt)), torch.arange(len(prompt))) == []
-    assert expected_rows("one_layer", 0) == 0
+    assert split_of("one_layer").expected_rows(0) == 0
     assert type(client_proposer(drafter, target)).__name__ == "IndependentProposer"
 
 

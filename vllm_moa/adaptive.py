@@ -430,8 +430,8 @@ def entry_costs(
     r * c / left), so a batch of requests that do not draft costs O(1) each."""
     out = []
     n = len(trackers)
-    floor = _draft_floor(n, costs)
     plain_rate = n / max(costs.step_time(n, 0), 1e-12)
+    floor = plain_rate * (costs.per_token + costs.draft_each)  # `_best_lengths`' first threshold
     for t, b, c, left in zip(trackers, budgets, catch_up, remaining, strict=True):
         least = costs.draft_row * c / max(left, 1)
         if not b or not c or t.first_bound() <= floor + plain_rate * least:
@@ -779,7 +779,7 @@ def _best_lengths(
     per_draft = costs.per_token + costs.draft_each
     # The threshold only rises with the best rate, and no draft gains more than the first's
     # acceptance: a request whose bound is below the first threshold never drafts.
-    floor = _draft_floor(n_req, costs)
+    floor = best_rate * per_draft
     candidates = [
         (i, t.gains(b))
         for i, (t, b) in enumerate(zip(trackers, budgets, strict=True))
@@ -817,13 +817,6 @@ def _best_lengths(
         for (i, _), n in zip(candidates, best_lengths, strict=True):
             ks[i] = min(n, best_m)
     return ks, best_rate / plain_rate
-
-
-def _draft_floor(n_req: int, costs: StepCosts) -> float:
-    """The expected gain a draft must beat at plain decoding's goodput (the lowest threshold
-    `_best_lengths` uses): plain tokens per second x the seconds a draft costs to verify."""
-    plain_rate = n_req / max(costs.step_time(n_req, 0), 1e-12)
-    return plain_rate * (costs.per_token + costs.draft_each)
 
 
 def _take_while(gains: list[float], threshold: float, first: float = 0.0) -> int:

@@ -31,28 +31,11 @@ class DrafterKind:
     options: tuple[str, ...] = ()  # `train` options the sizing takes beyond the preset
     label: str = ""  # how messages name the kind (default: its name)
 
-    @staticmethod
-    def _load(path: str) -> Any:
-        module, _, name = path.partition(":")
+    def load(self, part: str) -> Any:
+        """The object one of the kind's parts names ("config", "module", "proposer", "method",
+        "split" or "sizing"), imported on first use."""
+        module, _, name = getattr(self, part).partition(":")
         return getattr(importlib.import_module(module), name)
-
-    def config_class(self) -> Any:
-        return self._load(self.config)
-
-    def module_class(self) -> Any:
-        return self._load(self.module)
-
-    def proposer_class(self) -> Any:
-        return self._load(self.proposer)
-
-    def method_class(self) -> Any:
-        return self._load(self.method)
-
-    def split_class(self) -> Any:
-        return self._load(self.split)
-
-    def sizing_function(self) -> Any:
-        return self._load(self.sizing)
 
 
 KINDS: tuple[DrafterKind, ...] = (
@@ -115,9 +98,9 @@ def kind_of(drafter: object) -> DrafterKind:
     class it is, else the first whose class it derives from (GRIFFIN's drafter is an EAGLE
     drafter, but of its own kind)."""
     for kind in KINDS:
-        if type(drafter) is kind.module_class():
+        if type(drafter) is kind.load("module"):
             return kind
     for kind in KINDS:
-        if isinstance(drafter, kind.module_class()):
+        if isinstance(drafter, kind.load("module")):
             return kind
     raise TypeError(f"{type(drafter).__name__} is not a registered drafter kind")

@@ -62,7 +62,7 @@ def load_config(path: str | Path) -> DrafterConfig:
             f"{path / CONFIG_NAME} has model_type {data.get('model_type')!r}; expected one of "
             f"{sorted(BY_MODEL_TYPE)} (for the authors' MoA release: `vllm-moa convert-official`)"
         )
-    config: DrafterConfig = kind.config_class().from_dict(data)
+    config: DrafterConfig = kind.load("config").from_dict(data)
     return config
 
 
@@ -109,7 +109,7 @@ def load_drafter(
     config = load_config(path)
     if target is not None:
         config.check_target(target)
-    drafter: nn.Module = BY_MODEL_TYPE[config.MODEL_TYPE].module_class()(config)
+    drafter: nn.Module = BY_MODEL_TYPE[config.MODEL_TYPE].load("module")(config)
     load_checked(drafter, load_state_dict(path / WEIGHTS_NAME), str(path / WEIGHTS_NAME))
     if dtype is not None:
         drafter = drafter.to(dtype)

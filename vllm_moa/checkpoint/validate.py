@@ -67,7 +67,7 @@ def check_drafter_dir(path: str | Path, target: TargetShape | None = None) -> Dr
 def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every tensor the drafter of `config` stores (built on the meta device)."""
     with torch.device("meta"):
-        module = BY_MODEL_TYPE[config.MODEL_TYPE].module_class()(config)
+        module = BY_MODEL_TYPE[config.MODEL_TYPE].load("module")(config)
     return {name: tuple(t.shape) for name, t in module.state_dict().items()}
 
 

@@ -37,7 +37,7 @@ def new_drafter(cfg: TrainConfig) -> nn.Module:
                 f"--method {cfg.method}"
             )
     info = load_target_info(cfg.target)
-    drafter: nn.Module = kind.module_class()(kind.sizing_function()(info, cfg.preset, **options))
+    drafter: nn.Module = kind.load("module")(kind.load("sizing")(info, cfg.preset, **options))
     drafter.init_weights(cfg.seed)  # type: ignore[operator]
     return drafter
 
@@ -45,7 +45,7 @@ def new_drafter(cfg: TrainConfig) -> nn.Module:
 def method_for(drafter: nn.Module, target: HFTarget, feature_noise: float = 0.0) -> DraftMethod:
     """The training forward of a drafter (EAGLE's feature noise applies only when a generator is
     passed to forward(), i.e. in training steps)."""
-    method_class = kind_of(drafter).method_class()
+    method_class = kind_of(drafter).load("method")
     method: DraftMethod = method_class(drafter, target, feature_noise=feature_noise)
     return method
 

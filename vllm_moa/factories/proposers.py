@@ -21,7 +21,7 @@ def make_proposer(drafter: nn.Module, target: HFTarget) -> Proposer:
     linear layers run oneDNN on prepacked copies of their weights (model/packed_linear.py), so
     train no further the drafter handed here."""
     pack_linears(drafter)
-    proposer: Proposer = kind_of(drafter).proposer_class()(drafter, target)
+    proposer: Proposer = kind_of(drafter).load("proposer")(drafter, target)
     return proposer
 
 

@@ -46,12 +46,7 @@ from vllm_moa.kinds import kind_of
 from vllm_moa.remote import protocol
 from vllm_moa.remote.device_target import DeviceTarget
 from vllm_moa.remote.protocol import Finish, QTensor
-from vllm_moa.remote.split import (
-    client_output,
-    client_proposer,
-    expected_rows,
-    fingerprint,
-)
+from vllm_moa.remote.split import client_proposer, fingerprint, split_of
 
 GREEDY = SamplingParams()
 
@@ -228,6 +223,7 @@ class RemoteClient:
         self.target = DeviceTarget.load(target_dir, self.tli, dtype, device)
         drafter = load_drafter(drafter_dir, self.target.shape, dtype=dtype, device=device)
         self.kind = kind_of(drafter).name
+        self.split = split_of(self.kind)  # what the server's rows hold
         self.proposer = client_proposer(drafter, self.target)
         self.fingerprint = fingerprint(drafter_dir)
         self.timeout_s = timeout_s
@@ -481,7 +477,7 @@ class RemoteClient:
         return DraftTree(proposal.tokens, list(range(-1, n - 1)), [0.0] * n)
 
     def _check_rows(self, rows: list[QTensor], n: int) -> None:
-        want = expected_rows(self.kind, self.tli)
+        want = self.split.expected_rows(self.tli)
         if len(rows) != want or any(r.rows != n for r in rows):
             raise ConnectionError(
                 f"the server sent {len(rows)} activation tensors, expected {want} of {n} rows"
@@ -499,7 +495,7 @@ class RemoteClient:
         tensors = [r.dequantize(self.target.dtype) for r in rows]
         tail = tensors[1] if self.tli else None
         self.target.append_verified(n, tail)
-        out = client_output(self.kind, self.target.shape.num_layers, tensors, n)
+        out = self.split.client_output(self.target.shape.num_layers, tensors, n)
         if start is not None:
             self.proposer.start(start, out)
         else:

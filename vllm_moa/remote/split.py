@@ -5,14 +5,15 @@
 - EAGLE and GRIFFIN: the target's final (normalised) hidden state.
 - independent: nothing but tokens.
 
-The client runs the project's own standalone proposers on these rows (`client_output` turns them
-into the `TargetOutput` those proposers read; MoA's memory rows arrive already projected).
+The client runs the project's own standalone proposers on these rows (its split's
+`client_output` turns them into the `TargetOutput` those proposers read; MoA's memory rows
+arrive already projected).
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -37,7 +38,7 @@ def fingerprint(drafter_dir: str | Path) -> bytes:
 
 def split_of(kind: str) -> Split:
     """The registered kind's split (KeyError for an unknown kind name)."""
-    split: Split = BY_NAME[kind].split_class()()
+    split: Split = BY_NAME[kind].load("split")()
     return split
 
 
@@ -47,33 +48,25 @@ class ServerHalf:
 
     drafter: nn.Module
     num_layers: int  # the target's L
+    kind: str = field(init=False)
+    split: Split = field(init=False, repr=False)
 
-    @property
-    def kind(self) -> str:
-        return str(kind_of(self.drafter).name)
+    def __post_init__(self) -> None:
+        self.kind = str(kind_of(self.drafter).name)
+        self.split = split_of(self.kind)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
         """Hidden states the server's target pass must return."""
-        return split_of(self.kind).hidden_layers(self.drafter, self.num_layers)
+        return self.split.hidden_layers(self.drafter, self.num_layers)
 
     @torch.no_grad()
     def rows(self, verified: TargetOutput, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per verified token (rows of `verified`, at `positions`), the tensors to send, each
         [n, ..., W] (one int8 scale per W-vector)."""
-        return split_of(self.kind).rows(self.drafter, verified, positions, self.num_layers)
+        return self.split.rows(self.drafter, verified, positions, self.num_layers)
 
 
 def client_proposer(drafter: nn.Module, target: HFTarget) -> Proposer:
     proposer = split_of(kind_of(drafter).name).client_proposer(drafter, target)
     return proposer if proposer is not None else make_proposer(drafter, target)
-
-
-def client_output(kind: str, num_layers: int, tensors: list[torch.Tensor], n: int) -> TargetOutput:
-    """The TargetOutput the client's proposer reads, from the server's rows for n tokens."""
-    return split_of(kind).client_output(num_layers, tensors, n)
-
-
-def expected_rows(kind: str, tli: int) -> int:
-    """How many tensors a STARTED / VERIFIED message carries for this drafter."""
-    return split_of(kind).expected_rows(tli)
