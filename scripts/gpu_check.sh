@@ -7,11 +7,11 @@
 #   bash scripts/gpu_check.sh --short    # steps 1-3 only, a rerun after a fix
 #   bash scripts/gpu_check.sh --cpu      # tiny shapes on the CPU (automatic without CUDA)
 #
-# Nothing is installed: the machine's torch, triton and transformers run this checkout
-# (PYTHONPATH), without vLLM. GPU_CHECK_SHA names the commit where the tree has no .git.
+# Nothing is installed on the device: the machine's torch, triton and transformers run this
+# checkout, without vLLM, from a copy laid out as an install lays it out (scripts/device_tree.sh:
+# kernels/ as vllm_moa/kernels). GPU_CHECK_SHA names the commit where the tree has no .git.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if [ -n "${PYTHON:-}" ]; then
   py=$PYTHON
 elif [ -x .venv/bin/python ]; then
@@ -19,4 +19,9 @@ elif [ -x .venv/bin/python ]; then
 else
   py=python3
 fi
+if ! "$py" -c "import importlib.util as u; exit(u.find_spec('vllm_moa.kernels') is None)" \
+    2>/dev/null; then
+  cd "$(bash scripts/device_tree.sh)"  # not installed here
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 exec "$py" -m benchmarks.gpu_check "$@"

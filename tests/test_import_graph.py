@@ -6,17 +6,28 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "vllm_moa"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "vllm_moa"
+# pyproject's package-dir mapping (tests/test_packaging.py checks they agree): the top-level
+# kernels/ folder installs as vllm_moa.kernels
+MAPPED = {"vllm_moa.kernels": ROOT / "kernels"}
 
 
-def _module_name(path: Path, package: Path = PACKAGE) -> str:
-    parts = path.relative_to(package.parent).with_suffix("").parts
+def _module_name(path: Path, folder: Path, name: str) -> str:
+    parts = (*name.split("."), *path.relative_to(folder).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(package: Path = PACKAGE, mapped: dict[str, Path] | None = None) -> dict[str, Path]:
+    """Module name -> source file, for the package and the folders mapped into it."""
+    mapped = MAPPED if mapped is None and package == PACKAGE else mapped or {}
+    folders = {package.name: package, **mapped}
+    return {_module_name(p, d, n): p for n, d in folders.items() for p in sorted(d.rglob("*.py"))}
 
 
 def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
     """Module -> the package's modules it imports anywhere in its source."""
-    paths = {_module_name(p, package): p for p in package.rglob("*.py")}
+    paths = modules(package)
     graph: dict[str, set[str]] = {name: set() for name in paths}
     for name, path in paths.items():
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]

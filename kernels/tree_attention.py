@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_moa.kernels.common import LOG2_E, check_tile, dot_precision
+from .common import LOG2_E, check_tile, dot_precision
 
 try:
     import triton
