@@ -26,7 +26,10 @@ Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autoc
 class TrainConfig:
     target: str = field(metadata={"help": "target model directory (Hugging Face)"})
     data: tuple[str, ...] = field(
-        metadata={"help": "JSONL (chat/prompt-response/text) or text files"}
+        metadata={
+            "help": "JSONL, Parquet, Arrow or text files, or save_to_disk dirs "
+            "(layouts: docs/training.md)"
+        }
     )
     out: str = field(metadata={"help": "output directory (drafter in OUT/drafter)"})
     max_steps: int = field(metadata={"min": 1, "help": "optimizer steps"})

@@ -1,24 +1,25 @@
 """Training data: read files into token sequences with loss masks, and batch them.
 
-Formats (chosen per file):
-- JSONL with `messages` ([{"role", "content"}, ...]): rendered with the tokenizer's chat
-  template; loss on the assistant turns only.
-- JSONL with `prompt`/`response` (or `question`/`answer`, as GSM8K): loss on the response + EOS.
-- JSONL with `text`, `.gz` of any JSONL above, or any other file (plain text, source code):
-  loss on every token, cut into `max_length` chunks.
+Which files and layouts are read: `data_files` (JSONL, Parquet, Arrow, `save_to_disk`
+directories, plain text) and `records` (`messages`, ShareGPT `conversations`, UltraChat `data`,
+prompt/response pairs, `text`). Per record:
+- a chat: rendered with the tokenizer's chat template; loss on the assistant turns only.
+- a prompt/response pair: loss on the response + EOS.
+- text: loss on every token, cut into `max_length` chunks.
 """
 
 from __future__ import annotations
 
-import gzip
-import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from vllm_moa.training.data_files import read_records
+from vllm_moa.training.records import Chat, Pair, Record
 
 
 @dataclass(frozen=True)
@@ -36,23 +37,12 @@ class Batch:
     prompt_len: torch.Tensor  # [B]
 
 
-def _read_lines(path: Path) -> Iterator[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        yield from f
-
-
-def _is_jsonl(path: Path) -> bool:
-    name = path.name.removesuffix(".gz")
-    return name.endswith((".jsonl", ".json"))
-
-
-def _chat_example(tokenizer: Any, messages: list[dict[str, str]]) -> Example:
+def _chat_example(tokenizer: Any, messages: list[dict[str, Any]]) -> Example:
     """Assistant turns are the tokens each adds to the rendered conversation."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat data (`messages`) needs a tokenizer with a chat template")
 
-    def render(msgs: list[dict[str, str]], gen: bool) -> list[int]:
+    def render(msgs: list[dict[str, Any]], gen: bool) -> list[int]:
         out = tokenizer.apply_chat_template(msgs, add_generation_prompt=gen, tokenize=True)
         return list(out["input_ids"] if hasattr(out, "keys") else out)
 
@@ -84,38 +74,20 @@ def _text_examples(tokenizer: Any, text: str, max_length: int) -> list[Example]:
     return [Example(c, [True] * len(c), 0) for c in chunks if len(c) >= 2]
 
 
-def _record_examples(tokenizer: Any, record: dict[str, Any], max_length: int) -> list[Example]:
-    if "messages" in record:
-        return [_chat_example(tokenizer, record["messages"])]
-    for p_key, r_key in (("prompt", "response"), ("question", "answer"), ("prompt", "completion")):
-        if p_key in record and r_key in record:
-            return [_pair_example(tokenizer, str(record[p_key]), str(record[r_key]))]
-    if "text" in record:
-        return _text_examples(tokenizer, str(record["text"]), max_length)
-    raise ValueError(
-        f"JSONL record with keys {sorted(record)[:6]} has no `messages`, `prompt`/`response`, "
-        "`question`/`answer` or `text`"
-    )
+def _record_examples(tokenizer: Any, record: Record, max_length: int) -> list[Example]:
+    if isinstance(record, Chat):
+        return [_chat_example(tokenizer, record.messages)]
+    if isinstance(record, Pair):
+        return [_pair_example(tokenizer, record.prompt, record.response)]
+    return _text_examples(tokenizer, record.text, max_length)
 
 
 def load_examples(paths: Sequence[str | Path], tokenizer: Any, max_length: int) -> list[Example]:
-    """Read every file into examples truncated to max_length (files in the given order)."""
+    """Read every path into examples truncated to max_length (paths in the given order)."""
     examples: list[Example] = []
-    for raw in paths:
-        path = Path(raw)
-        if not path.is_file():
-            raise FileNotFoundError(f"data file {path} does not exist")
-        if _is_jsonl(path):
-            for n, line in enumerate(_read_lines(path), 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{n} is not valid JSON: {e}") from None
-                examples += _record_examples(tokenizer, record, max_length)
-        else:
-            examples += _text_examples(tokenizer, "".join(_read_lines(path)), max_length)
+    for path in paths:
+        for record in read_records(Path(path)):
+            examples += _record_examples(tokenizer, record, max_length)
     out = [
         Example(e.input_ids[:max_length], e.loss_mask[:max_length], min(e.prompt_len, max_length))
         for e in examples
