@@ -1,8 +1,8 @@
 """GPU cost model at Llama-3-8B shapes (random bf16 weights): what one speculative cycle costs,
 and the speedup a drafter's measured tau buys at that cost. One run, one JSON + PNG.
 
-    python -m benchmarks.cost_model --out benchmarks/results/cost_model_h200.json \
-        --tau benchmarks/results/testbed_cpu_tree.json
+    python -m benchmarks.cost_model --out benchmarks/results/cost_model/cost_model_h200.json \
+        --tau benchmarks/results/testbed/testbed_cpu_tree.json
 
 Timing does not depend on trained weights, so the target (32 layers, E=4096, 32 heads / 8 KV
 heads of 128, MLP 14336, vocab 128256) and the drafters (the `paper` presets: MoA TLI 0/1/3,
@@ -395,12 +395,14 @@ def plot(path: Path, result: dict[str, Any]) -> None:
 def reproject(measured: Path, tau: Path | None, out: Path) -> dict[str, Any]:
     """A saved measurement's projection again with other taus (no GPU needed): the timings,
     machine and git SHA stay the measurement's; `projected_at` says where this file was made."""
+    from benchmarks.results_paths import portable
     from benchmarks.testbed.report import git_sha
 
     result = json.loads(measured.read_text())
     result["projection"] = project(result, load_taus(tau))
     result["config"]["tau_source"] = str(tau) if tau else None
     result["projected_at"] = {"git_sha": git_sha(), "from": str(measured)}
+    result = portable(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     plot(out.with_suffix(".png"), result)
@@ -418,10 +420,12 @@ def _print(projection: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.testbed.report import add_out_argument, save_json
+
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", type=Path, required=True)
+    add_out_argument(p, "cost_model", type=Path)
     p.add_argument("--tau", type=Path, default=None, help="a benchmarks.testbed results JSON")
     p.add_argument("--context", type=int, default=1024, help="cached prefix length")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
@@ -443,8 +447,6 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         p.error("no CUDA GPU: run with --smoke to check the script on the CPU")
     import_kernels()
-    from benchmarks.testbed.report import save_json
-
     shape = SMOKE if args.smoke else LLAMA3_8B
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16

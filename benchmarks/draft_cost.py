@@ -1,6 +1,7 @@
 """Drafting cost inside vLLM per generated token, against context length: MoA vs vLLM's EAGLE.
 
-    python -m benchmarks.draft_cost --target DIR --out benchmarks/results/draft_cost_cpu.json \
+    python -m benchmarks.draft_cost --target DIR \
+        --out benchmarks/results/draft_cost/draft_cost_cpu.json \
         [--drafter MOA_DIR] [--eagle EAGLE_DIR] [--prompt-lens 64 3072] [--batch 8] [--k 4]
 
 Without --drafter / --eagle, randomly initialised drafters (MoA `small` TLI=0, EAGLE `small`)
@@ -181,7 +182,7 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
     from benchmarks.throughput import make_engine, vllm_eagle_dir
     from vllm_moa.vllm_plugin.compiled import COMPILE_ENV
 
@@ -189,7 +190,7 @@ def main() -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", default=None, help="MoA drafter (default: a random one)")
     p.add_argument("--eagle", default=None, help="EAGLE drafter of ours (default: a random one)")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "draft_cost")
     p.add_argument("--prompt-lens", type=int, nargs="+", default=[64, 3072])
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--k", type=int, default=4)

@@ -2,7 +2,7 @@
 best single drafter and plain decoding, measured next to what the planner predicted.
 
     python -m benchmarks.hsd --target DIR --candidates ngram,EAGLE_DIR,MOA_DIR \
-        --prompts ../shared/data/HumanEval.jsonl.gz --out benchmarks/results/hsd_gpu.json
+        --prompts ../shared/data/HumanEval.jsonl.gz --out benchmarks/results/hsd/hsd_gpu.json
 
 First the planner's inputs are measured on `--measure-prompts` prompts (costs of each level's
 draft step and scoring pass and of the target's pass; pairwise acceptance from decoding runs;
@@ -165,14 +165,14 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
     from vllm_moa.cli.main import positive_int
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--candidates", required=True, help="LEVELS: ngram,DRAFTER_DIR,... bottom first")
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "hsd")
     p.add_argument("--inputs", default=None, help="planner inputs to reuse instead of measuring")
     p.add_argument("--measure-prompts", type=positive_int, default=4)
     p.add_argument("--num-prompts", type=positive_int, default=8, help="after the measured ones")

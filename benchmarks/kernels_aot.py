@@ -1,6 +1,6 @@
 """Compile every Triton kernel for CUDA GPUs without one, and report what each build needs.
 
-    python -m benchmarks.kernels_aot --out benchmarks/results/kernels_aot.json
+    python -m benchmarks.kernels_aot --out benchmarks/results/kernels/kernels_aot.json
 
 For each kernel at real model shapes (Llama-3-8B, a Qwen2-7B-like 7-heads-per-group layout,
 Llama-3-70B's 64 heads, head size 64), each dtype (fp32, fp16, bf16) and each architecture
@@ -202,7 +202,8 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", required=True)
+    default = ROOT / "benchmarks" / "results" / "kernels" / "kernels_aot.json"
+    p.add_argument("--out", default=str(default), help=f"default: {default.relative_to(ROOT)}")
     p.add_argument("--smoke", action="store_true", help="Llama-3-8B shapes, fp32 and bf16 only")
     args = p.parse_args()
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):

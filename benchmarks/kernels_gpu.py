@@ -1,6 +1,6 @@
 """Kernel correctness and timing on a CUDA GPU at Llama-3-8B shapes (one run, one JSON).
 
-    python benchmarks/kernels_gpu.py --out benchmarks/results/kernels_h200.json
+    python benchmarks/kernels_gpu.py --out benchmarks/results/kernels/kernels_h200.json
 
 Checks each Triton kernel against its PyTorch reference in bf16 (tolerance: 2x PyTorch's own
 bf16 error against an fp32 reference), then times with triton.testing.do_bench (median), the
@@ -233,7 +233,8 @@ def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--out", required=True)
+    default = ROOT / "benchmarks" / "results" / "kernels" / "kernels_gpu.json"
+    p.add_argument("--out", default=str(default), help=f"default: {default.relative_to(ROOT)}")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (Triton interpreter)")
     p.add_argument("--quick", action="store_true", help="no tile sweeps: the default tiles only")
     args = p.parse_args()

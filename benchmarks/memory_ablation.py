@@ -2,7 +2,7 @@
 
     python -m benchmarks.memory_ablation --testbed ~/.cache/vllm_moa/testbed-cpu \
         --prompts ../shared/data/HumanEval.jsonl.gz \
-        --out benchmarks/results/memory_ablation_cpu.json
+        --out benchmarks/results/memory_ablation/memory_ablation_cpu.json
 
 On a testbed built by `benchmarks.testbed` (its target and its trained `moa_tli0` and
 `moa_no_lsa` drafters), trains more TLI=0 drafters with the testbed's data, steps, batch and
@@ -42,7 +42,7 @@ import torch
 from benchmarks.positions import greedy_examples, teacher_forced
 from benchmarks.testbed.drafters import build_drafters, drafter_train_config
 from benchmarks.testbed.presets import PRESETS
-from benchmarks.testbed.report import save_json
+from benchmarks.testbed.report import add_out_argument, save_json
 from vllm_moa.checkpoint import load_drafter, save_drafter
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.method import MoAMethod
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--testbed", type=Path, required=True, help="a benchmarks.testbed --out dir")
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="the testbed's")
     p.add_argument("--prompts", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    add_out_argument(p, "memory_ablation", type=Path)
     p.add_argument(
         "--layers", type=int, nargs="+", default=None, help="hidden_j variants; default L-1, L-2"
     )

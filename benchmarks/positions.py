@@ -1,7 +1,7 @@
 """Where do drafted positions >= 2 lose? Teacher-forced agreement vs engine acceptance.
 
     python -m benchmarks.positions --target DIR --drafter NAME=DIR [NAME=DIR ...] \
-        --prompts HumanEval.jsonl.gz --out benchmarks/results/positions_cpu.json
+        --prompts HumanEval.jsonl.gz --out benchmarks/results/positions/positions_cpu.json
 
 For each prompt the target's own greedy continuation is generated once. On exactly those
 sequences, every drafter is scored teacher-forced at every response position i with stale step
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from benchmarks.testbed.evaluate import read_prompts, run_generations
-from benchmarks.testbed.report import save_json
+from benchmarks.testbed.report import add_out_argument, save_json
 from vllm_moa.checkpoint import load_drafter
 from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.factories.methods import method_for
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=Path, required=True)
     p.add_argument("--drafter", nargs="+", required=True, help="NAME=DIR")
     p.add_argument("--prompts", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    add_out_argument(p, "positions", type=Path)
     p.add_argument("--num-prompts", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)

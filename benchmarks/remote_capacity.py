@@ -1,7 +1,8 @@
 """Server capacity under client-server speculative decoding: 1 to 32 concurrent clients.
 
     python -m benchmarks.remote_capacity --target DIR --drafter DIR \
-        --prompts ../shared/data/HumanEval.jsonl.gz --out benchmarks/results/remote_capacity.json
+        --prompts ../shared/data/HumanEval.jsonl.gz \
+        --out benchmarks/results/remote/remote_capacity.json
 
 What a server operator asks: how many tokens/s does one server give in total, and each client,
 as clients are added; and where does it stop beating the target alone serving the same clients.
@@ -195,13 +196,13 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True)
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "remote_capacity")
     p.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     p.add_argument("--profile", default="unconstrained", choices=["unconstrained", "5g", "4g"])
     p.add_argument("--link", choices=["auto", "netem", "relay"], default="auto")

@@ -1,7 +1,8 @@
 """What a client writes alone after losing its server (the MoA paper's Table 4 analogue).
 
     python -m benchmarks.remote_disconnect --target DIR --drafter DIR [DIR ...] \
-        --prompts ../shared/data/HumanEval.jsonl.gz --out benchmarks/results/remote_disconnect.json
+        --prompts ../shared/data/HumanEval.jsonl.gz \
+        --out benchmarks/results/remote/remote_disconnect.json
 
 For each drafter and each B in `--after` (1, 10, 25, 50): every prompt is decoded by a client
 (greedy chains of K) whose link is dropped once B tokens are out (`disconnect_after`; a cycle
@@ -129,13 +130,13 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", nargs="+", required=True)
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "remote_disconnect")
     p.add_argument("--after", type=int, nargs="+", default=[1, 10, 25, 50])
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--num-prompts", type=int, default=8)

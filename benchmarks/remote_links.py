@@ -1,7 +1,8 @@
 """Client-server speculative decoding over emulated links (the MoA paper's Table 3 analogue).
 
     python -m benchmarks.remote_links --target DIR --drafter DIR [DIR ...] \
-        --prompts ../shared/data/HumanEval.jsonl.gz --out benchmarks/results/remote_links_cpu.json
+        --prompts ../shared/data/HumanEval.jsonl.gz \
+        --out benchmarks/results/remote/remote_links_cpu.json
 
 One `vllm-moa remote-server` process per drafter (the target's side), the client in this
 process through `benchmarks/link_emulator.py` (this kernel has no `tc netem`: see there), for
@@ -154,13 +155,13 @@ def _plot(path: Path, rows: list[dict[str, Any]], profiles: list[str]) -> None:
 
 
 def main() -> None:
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", nargs="+", required=True, help="one server each")
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "remote_links")
     p.add_argument("--profiles", nargs="+", default=["unconstrained", "5g", "4g"])
     p.add_argument(
         "--link",

@@ -1,38 +1,62 @@
-"""One machine-readable index of the benchmark results, and the docs' tables generated from them.
+"""One machine-readable index of the benchmark results, a readable one, and the docs' tables
+generated from them.
 
-    python -m benchmarks.results_index            # rewrite benchmarks/results/index.jsonl and
-                                                  # every generated table in the docs
-    python -m benchmarks.results_index --check    # exit 1 if either is stale (a test runs this)
+    python -m benchmarks.results_index            # rewrite benchmarks/results/index.jsonl,
+                                                  # benchmarks/results/README.md and every
+                                                  # generated table in the docs
+    python -m benchmarks.results_index --check    # exit 1 if any is stale, or if a results file
+                                                  # records a machine path (a test runs this)
 
-`index.jsonl` has one row per results file: the file, the benchmark, the git SHA and machine it
-ran on, its configuration (scalar settings; lists joined) and its key figures (`figures`: a flat
-name -> number map, e.g. `moa_k4_adaptive@b16` -> speed-up over plain).
+Results live in one folder per benchmark (`benchmarks/results_paths.py`). `index.jsonl` has one
+row per results file: the file (relative to benchmarks/results/), the benchmark, the date, the
+git SHA and machine it ran on, the command, its configuration (scalar settings; lists joined) and
+its key figures (`figures`: a flat name -> number map, e.g. `moa_k4_adaptive@b16` -> speed-up
+over plain). `README.md` lists the same rows by folder, for reading.
 
-A table in a markdown file is generated when it sits between two markers naming a results file:
+A table in a markdown file is generated when it sits between two markers naming a results file by
+its stem (unique across the folders):
 
     <!-- results-table: serve_sweep_cpu_inflated -->
     | ... generated ... |
     <!-- /results-table -->
 
-The table's columns follow the benchmark (`TABLES`); prose around it stays hand-written. A
-testbed table may merge several runs: `<!-- results-table: testbed_cpu,testbed_cpu_tree -->`
-(one row per drafter; a later file's figures win; drafters of other seeds, `<method>_s<S>`,
-share their method's row: the mean, then each seed's value).
+The table's columns follow the benchmark (`benchmarks/results_tables.py`); prose around it stays
+hand-written. A testbed table may merge several runs:
+`<!-- results-table: testbed_cpu,testbed_cpu_tree -->` (one row per drafter; a later file's
+figures win; drafters of other seeds, `<method>_s<S>`, share their method's row: the mean, then
+each seed's value).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import re
 import sys
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+from benchmarks.results_paths import (
+    RESULTS,
+    ROOT,
+    find,
+    folder,
+    machine_paths,
+    results_files,
+    shell_join,
+)
+from benchmarks.results_tables import (
+    LAYOUTS,
+    TABLES,
+    markdown,
+    remote_name,
+    short_level,
+    testbed_rows,
+)
+
 INDEX = RESULTS / "index.jsonl"
+README = RESULTS / "README.md"
 DOCS = [
     ROOT / "README.md",
     *sorted((ROOT / "docs").glob("*.md")),
@@ -69,13 +93,13 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
             out[f"{Path(r['drafter']).name}/{r['mode']}"] = _num(r["vs_plain"])
     elif kind == "remote_links":
         for r in rows:
-            out[f"{_remote_name(r)}/{r['mode']}@{r['profile']}"] = _num(r["tokens_per_s"])
+            out[f"{remote_name(r)}/{r['mode']}@{r['profile']}"] = _num(r["tokens_per_s"])
     elif kind == "remote_capacity":
         for r in rows:
             out[f"clients{r['clients']}"] = _num(r["ratio"])
     elif kind == "remote_disconnect":
         for r in rows:
-            out[f"{_remote_name(r)}@{r['after']}"] = _num(r["agreement"])
+            out[f"{remote_name(r)}@{r['after']}"] = _num(r["agreement"])
     elif kind == "draft_cost":
         for r in rows:
             if r["method"] != "plain":
@@ -84,9 +108,9 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
                 out[f"moa/eagle@{r['prompt_tokens']}"] = _num(r["propose_vs_eagle"])
     elif kind == "hsd":
         for r in rows:
-            out[f"{'+'.join(map(_short, r['levels'])) or 'plain'}"] = _num(r["vs_plain"])
-            out[f"{'+'.join(map(_short, r['levels'])) or 'plain'}/measured_over_predicted"] = _num(
-                r["measured_latency_s"] / r["predicted_latency_s"]
+            out[f"{'+'.join(map(short_level, r['levels'])) or 'plain'}"] = _num(r["vs_plain"])
+            out[f"{'+'.join(map(short_level, r['levels'])) or 'plain'}/measured_over_predicted"] = (
+                _num(r["measured_latency_s"] / r["predicted_latency_s"])
             )
     elif kind == "testbed":
         for method, r in rows.items():
@@ -94,33 +118,6 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
                 if isinstance(v, dict) and "tau" in v:
                     out[f"{method}@{k}"] = _num(v["tau"])
     return out
-
-
-def _short(level: str) -> str:
-    """A hierarchy level's name in figures: `ngram` or its directory's last part."""
-    return Path(level).name
-
-
-def _hsd(data: dict[str, Any]) -> Iterator[list[Any]]:
-    yield ["arm", "stack (buffers)", "tok/s", "vs plain", "target calls/token",
-           "ms/token measured", "ms/token predicted"]  # fmt: skip
-    for r in data["results"]:
-        stack = " -> ".join([*map(_short, r["levels"]), "target"]) if r["levels"] else "plain"
-        sizes = f" ({','.join(map(str, r['buffers']))})" if r["buffers"] else ""
-        yield [
-            r["arm"],
-            stack + sizes,
-            f"{r['tokens_per_s']:.1f}",
-            f"{r['vs_plain']:.2f}",
-            f"{r['target_calls_per_token']:.3f}",
-            f"{r['measured_latency_s'] * 1e3:.2f}",
-            f"{r['predicted_latency_s'] * 1e3:.2f}",
-        ]
-
-
-def _remote_name(r: dict[str, Any]) -> str:
-    names = {"moa": f"MoA TLI={r.get('tli')}", "eagle": "EAGLE", "independent": "independent"}
-    return names.get(r["kind"], "stop (API call)")
 
 
 def _config(data: dict[str, Any]) -> dict[str, Any]:
@@ -138,19 +135,95 @@ def _config(data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# -- commands ---------------------------------------------------------------------------------
+
+# The module a benchmark runs as, where it is not `benchmarks.<benchmark>`.
+MODULES = {"kernels": "kernels_gpu"}
+# A config key recorded under another name than its flag.
+FLAG_NAMES = {("positions", "drafters"): "--drafter"}
+# The flag naming the results file, where it is not --out (the testbed's --out is a work dir).
+RESULTS_FLAG = {"testbed": "--results"}
+# Values a run made itself (draft_cost's random drafters, under its own temporary directory).
+MADE_BY_THE_RUN = re.compile(r"^\$TMPDIR/draft_cost_")
+
+
+def _flags(module: str) -> tuple[set[str], set[str]]:
+    """The flags the benchmark's argument parser declares, and which of them are required."""
+    for source in (
+        ROOT / "benchmarks" / f"{module}.py",
+        ROOT / "benchmarks" / module / "__main__.py",
+    ):
+        if source.is_file():
+            break
+    else:
+        return set(), set()
+    flags, required = set(), set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute | ast.Name):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id
+        if name == "add_out_argument":
+            flags.add("--out")
+        elif name == "add_argument" and node.args and isinstance(node.args[0], ast.Constant):
+            flag = str(node.args[0].value)
+            flags.add(flag)
+            if any(k.arg == "required" and getattr(k.value, "value", None) for k in node.keywords):
+                required.add(flag)
+    return flags, required
+
+
+def command(data: dict[str, Any], path: Path) -> tuple[str | None, str]:
+    """The run's command and where it comes from: "recorded"; else "reconstructed" from the
+    recorded config (a flag per key, the results flag naming the file where it now lies);
+    else "not recorded" (no config, or the config lacks a required flag)."""
+    if isinstance(data.get("command"), str):
+        return data["command"], "recorded"
+    benchmark, config = str(data.get("benchmark")), data.get("config")
+    module = MODULES.get(benchmark, benchmark)
+    flags, required = _flags(module)
+    if not isinstance(config, dict) or not flags:
+        return None, "not recorded"
+    out = RESULTS_FLAG.get(benchmark, "--out")
+    words = [f"{k}={v}" for k, v in (config.get("env") or {}).items()]
+    words += ["python", "-m", f"benchmarks.{module}"]
+    given = {out}
+    for key, value in config.items():
+        flag = FLAG_NAMES.get((benchmark, key), "--" + key.replace("_", "-"))
+        values = value if isinstance(value, list) else [value]
+        if flag in given or flag not in flags or value in (None, False, []):
+            continue
+        if any(isinstance(v, str) and MADE_BY_THE_RUN.match(v) for v in values):
+            continue
+        given.add(flag)
+        words += [flag] if value is True else [flag, *map(str, values)]
+    missing = sorted(required - given)
+    if missing:
+        return None, f"not recorded (the config has no {', '.join(missing)})"
+    return shell_join([*words, out, str(path.relative_to(ROOT))]), "reconstructed"
+
+
+# -- the index ---------------------------------------------------------------------------------
+
+
 def index_rows() -> list[dict[str, Any]]:
     rows = []
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in results_files():
         data = json.loads(path.read_text())
         machine = data.get("machine") or {}
+        text, source = command(data, path)
         rows.append(
             {
-                "file": path.name,
+                "file": path.relative_to(RESULTS).as_posix(),
                 "benchmark": data.get("benchmark"),
+                "date": data.get("date"),
                 "git_sha": data.get("git_sha"),
                 "machine": {
-                    k: machine.get(k) for k in ("cpu_count", "torch", "gpu") if k in machine
+                    k: machine.get(k)
+                    for k in ("cpu_count", "torch", "gpu", "platform")
+                    if k in machine
                 },
+                "command": text,
+                "command_from": source,
                 "config": _config(data),
                 "figures": _figures(data),
             }
@@ -158,252 +231,124 @@ def index_rows() -> list[dict[str, Any]]:
     return rows
 
 
-def render_index() -> str:
-    return "".join(json.dumps(row, sort_keys=True) + "\n" for row in index_rows())
+def render_index(rows: list[dict[str, Any]] | None = None) -> str:
+    rows = index_rows() if rows is None else rows
+    return "".join(json.dumps(row, sort_keys=True) + "\n" for row in rows)
+
+
+# What each benchmark measures (README.md's headings).
+MEASURES = {
+    "throughput": "vLLM offline throughput, plain vs MoA (and vLLM's EAGLE, ngram) per batch size",
+    "serve_sweep": "`vllm serve` under load: throughput and latency against request rate",
+    "testbed": "tau of drafters trained against the project's small Llama target (greedy, "
+    "chains and trees); each run's command and findings: [TESTBED.md](../TESTBED.md)",
+    "standalone_adaptive": "the standalone engine: plain vs fixed-K vs adaptive speculation",
+    "remote_links": "client-server speculative decoding over emulated 5G / 4G links",
+    "remote_capacity": "server capacity with 1 to 32 concurrent client-server clients",
+    "remote_disconnect": "what a client writes alone after losing its server",
+    "draft_cost": "drafting cost inside vLLM per generated token against context length",
+    "hsd": "hierarchical speculative decoding: the planner's stack vs single drafters",
+    "kernels_aot": "the Triton kernels compiled for sm_90 / sm_80 without a GPU: resources",
+    "kernels": "the Triton kernels' correctness and timing on a GPU",
+    "memory_ablation": "what the Cross-Attention memory should hold (teacher-forced agreement)",
+    "positions": "per-position agreement and acceptance of drafted tokens",
+    "sampling_check": "whether speculative sampling through vLLM is lossless",
+    "tree_path": "a drafter-side tree search for chain-only verifiers",
+    "cost_model": "a speculative cycle's parts timed at Llama-3-8B shapes, speed-ups projected",
+    "gpu_check": "the GPU check ([docs/gpu.md](../../docs/gpu.md))",
+}
+# The config keys README.md shows for a testbed run (the rest are the preset's).
+TESTBED_KEYS = ("preset", "num_layers", "hidden_size", "num_kv_heads", "corpus_bytes",
+                "target_steps", "drafter_steps", "drafter_seed", "moa_refresh", "align_steps",
+                "eval_prompts", "ks")  # fmt: skip
+
+
+def _machine_words(machine: dict[str, Any]) -> str:
+    where = machine.get("gpu") or (f"CPU x{machine['cpu_count']}" if "cpu_count" in machine else "")
+    words = [where, f"torch {machine['torch']}" if machine.get("torch") else ""]
+    return ", ".join(w for w in words if w) or machine.get("platform") or "not recorded"
+
+
+def _short_value(value: Any) -> str:
+    """A setting for reading: each path by its last two parts (the command has it whole)."""
+    if value is True:
+        return ""
+    pieces = re.split(r"([\s,=])", str(value))
+    return "".join("/".join(p.split("/")[-2:]) for p in pieces)
+
+
+def _settings(row: dict[str, Any]) -> str:
+    config = row["config"]
+    if row["benchmark"] == "testbed":
+        drafters = sorted({name.split("@")[0] for name in row["figures"]})
+        config = {k: config[k] for k in TESTBED_KEYS if config.get(k) is not None}
+        config["drafters"] = " ".join(drafters)
+    shown = [
+        f"{k} {_short_value(v)}".strip()
+        for k, v in config.items()
+        if k not in ("out", "env") and v not in (None, "", False)
+    ]
+    return "; ".join(shown) or "no config recorded"
+
+
+def _entry(row: dict[str, Any]) -> list[str]:
+    file = row["file"]
+    png = RESULTS / Path(file).with_suffix(".png")
+    plot = f" ([plot]({Path(file).with_suffix('.png').as_posix()}))" if png.is_file() else ""
+    sha = str(row["git_sha"] or "not recorded")
+    sha = sha if sha == "unknown" or " " in sha else f"`{sha[:7]}{sha[40:]}`"
+    if row["command"]:
+        how = f"command ({row['command_from']}): `{row['command']}`"
+    else:
+        how = f"command: {row['command_from']}"
+    return [
+        f"- [`{Path(file).name}`]({file}){plot}: **{row['benchmark']}**, "
+        f"{str(row['date'] or 'date not recorded')[:10]}, git {sha}, "
+        f"{_machine_words(row['machine'])}  ",
+        f"  {_settings(row)}  ",
+        f"  {how}",
+    ]
+
+
+def render_readme(rows: list[dict[str, Any]]) -> str:
+    folders: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        folders.setdefault(row["file"].split("/")[0], []).append(row)
+    out = [
+        "# Benchmark results",
+        "",
+        "Generated by `python -m benchmarks.results_index` from the results files (do not",
+        "edit: a test fails when it is stale); `index.jsonl` holds the same rows with the key",
+        "figures. One folder per benchmark. Each file: the benchmark, the date, the git SHA the",
+        "run started from (`+dirty`: with uncommitted changes), the machine, its settings (paths",
+        "shortened) and its command.",
+        "",
+        "- Dates: the run's own where the JSON records one, else the day of the file's last",
+        "  commit before the results moved into folders.",
+        "- Commands: recorded by the run; else reconstructed from the recorded config (one flag",
+        "  per setting, the results file where it lies now); else not recorded.",
+        "- Paths: `$VLLM_MOA_CACHE` is the cache (default `~/.cache/vllm_moa`), `$TMPDIR` a",
+        "  temporary directory of the machine that ran it; others are relative to the checkout.",
+        "",
+    ]
+    out += [
+        f"- [{name}/](#{name}): {len(rs)} file{'s' * (len(rs) > 1)}" for name, rs in folders.items()
+    ]
+    for name, rs in folders.items():
+        out += ["", f"## {name}", ""]
+        for benchmark in dict.fromkeys(r["benchmark"] for r in rs):
+            out.append(f"{benchmark}: {MEASURES.get(benchmark, 'see its script')}.  ")
+        out.append("")
+        for row in rs:
+            out += _entry(row)
+    return "\n".join(out) + "\n"
 
 
 # -- generated tables ------------------------------------------------------------------------
 
 
-def _throughput(data: dict[str, Any]) -> Iterator[list[Any]]:
-    yield ["batch", "method", "tok/s", "vs plain", "tau"]
-    for r in sorted(data["results"], key=lambda r: r["batch_size"]):
-        tau = f"{r['tau']:.2f}" if "tau" in r else ""
-        yield [r["batch_size"], r["method"], f"{r['output_tokens_per_s']:.1f}",
-               f"{r['speedup_vs_plain']:.2f}x", tau]  # fmt: skip
-
-
-def _serve_sweep(data: dict[str, Any]) -> Iterator[list[Any]]:
-    rows = data["results"]
-    paired = all("paired_vs_plain" in r for r in rows)  # an interleaved run
-    yield ["requests/s", "arm", "output tok/s", "vs plain",
-           *(["paired vs plain (range)"] if paired else []), "TTFT p50 (ms)", "TPOT p50 (ms)",
-           "latency p50 / p99 (s)", "tau"]  # fmt: skip
-    rates = list(dict.fromkeys(r["request_rate"] for r in rows))
-    plain = {r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
-    for rate in rates:
-        for r in (r for r in rows if r["request_rate"] == rate):
-            spread = (
-                [
-                    f"{r['paired_vs_plain']:.2f} ({min(r['rounds_vs_plain']):.2f}-"
-                    f"{max(r['rounds_vs_plain']):.2f})"
-                ]
-                if paired
-                else []
-            )
-            yield [
-                "all at once" if rate == "inf" else rate,
-                r["method"],
-                f"{r['output_tokens_per_s']:.1f}",
-                f"{r['output_tokens_per_s'] / plain[rate]:.2f}",
-                *spread,
-                f"{r['ttft_p50_ms']:.0f}",
-                f"{r['tpot_p50_ms']:.1f}",
-                f"{r['e2e_latency_p50_ms'] / 1e3:.2f} / {r['e2e_latency_p99_ms'] / 1e3:.2f}",
-                f"{r['tau']:.2f}" if "tau" in r else "",
-            ]
-
-
-def _standalone(data: dict[str, Any]) -> Iterator[list[Any]]:
-    yield ["drafter", "mode", "tok/s", "vs plain", "tau"]
-    for r in data["results"]:
-        tau = f"{r['tau']:.2f}" if r.get("tau") else ""
-        yield [Path(r["drafter"]).name, r["mode"], f"{r['tokens_per_s']:.1f}",
-               f"{r['vs_plain']:.2f}x", tau]  # fmt: skip
-
-
-def _remote_links(data: dict[str, Any]) -> Iterator[list[Any]]:
-    yield ["drafter", "drafts", "link", "tok/s per client", "vs plain on server", "tau",
-           "server calls / token", "bytes up / token", "bytes down / token"]  # fmt: skip
-    for r in data["results"]:
-        yield [_remote_name(r), r["mode"], r["profile"], f"{r['tokens_per_s']:.1f}",
-               f"{r['tokens_per_s'] / r['plain_server_tokens_per_s']:.2f}x", f"{r['tau']:.2f}",
-               f"{r['server_calls_per_token']:.3f}", f"{r['bytes_up_per_token']:.0f}",
-               f"{r['bytes_down_per_token']:.0f}"]  # fmt: skip
-
-
-def _remote_capacity(data: dict[str, Any]) -> Iterator[list[Any]]:
-    yield ["clients", "server tok/s: client-server", "target alone", "ratio",
-           "tok/s per client: client-server", "target alone"]  # fmt: skip
-    for r in data["results"]:
-        s, t = r["speculative"], r["target_alone"]
-        yield [r["clients"], f"{s['server_tokens_per_s']:.1f}",
-               f"{t['server_tokens_per_s']:.1f}", f"{r['ratio']:.2f}x",
-               f"{s['client_tokens_per_s']:.1f}", f"{t['client_tokens_per_s']:.1f}"]  # fmt: skip
-
-
-def _remote_disconnect(data: dict[str, Any]) -> Iterator[list[Any]]:
-    yield ["drafter", "lost after B", "verified tokens", "written alone",
-           "target log-lik / token", "agreement with target", "common prefix"]  # fmt: skip
-    for r in sorted(data["results"], key=lambda r: r["after"]):
-        ll = f"{r['loglik_per_token']:.2f}" if r["loglik_per_token"] is not None else "-"
-        yield [_remote_name(r), r["after"], f"{r['verified_tokens']:.1f}",
-               f"{r['written_alone']:.1f}", ll, f"{r['agreement']:.3f}",
-               f"{r['common_prefix']:.1f}"]  # fmt: skip
-
-
-def _draft_cost(data: dict[str, Any]) -> Iterator[list[Any]]:
-    rows = data["results"]
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
-    by = {(r["method"], r["prompt_tokens"]): r for r in rows}
-    names = {"moa": "MoA", "moa_eager": "MoA eager", "eagle": "vLLM EAGLE"}
-    wall = "wall ms/token: " + " / ".join(["plain", *(names.get(m, m) for m in methods)])
-    paired = "eagle" in methods  # the MoA / EAGLE column only where EAGLE ran
-    ratio_column = ["MoA / EAGLE (median of rounds)"] if paired else []
-    yield ["prompt tokens", *(f"{names.get(m, m)} drafting ms/token" for m in methods),
-           *ratio_column, wall]  # fmt: skip
-    for length in dict.fromkeys(r["prompt_tokens"] for r in rows):
-        moa = by.get(("moa", length), {})
-        ratio = [f"{moa['propose_vs_eagle']:.2f}" if "propose_vs_eagle" in moa else ""]
-        walls = [
-            by[(m, length)]["wall_ms_per_token"] for m in ["plain", *methods] if (m, length) in by
-        ]
-        yield [length, *(f"{by[(m, length)]['propose_ms_per_token']:.2f}" for m in methods),
-               *(ratio if paired else []), " / ".join(f"{w:.2f}" for w in walls)]  # fmt: skip
-
-
-def _serve_sweep_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
-    """One row per rate, one column per arm: throughput vs plain (the median of the paired
-    rounds' ratios where the run interleaved the arms), median latency (s)."""
-    rows = data["results"]
-    arms = list(dict.fromkeys(r["method"] for r in rows))
-    names = {"plain": "plain", "eagle": "vLLM EAGLE (fixed K)"}
-    label = {a: names.get(a, "MoA fixed K" if a.endswith("_fixed") else "MoA adaptive (default)")
-             for a in arms}  # fmt: skip
-    yield ["requests/s", *(label[a] for a in arms)]
-    plain = {r["request_rate"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
-    by = {(r["request_rate"], r["method"]): r for r in rows}
-    for rate in dict.fromkeys(r["request_rate"] for r in rows):
-        cells = []
-        for a in arms:
-            r = by[(rate, a)]
-            ratio = r.get("paired_vs_plain", r["output_tokens_per_s"] / plain[rate])
-            cells.append(f"{ratio:.2f}, {r['e2e_latency_p50_ms'] / 1e3:.2f}")
-        yield ["all at once" if rate == "inf" else rate, *cells]
-
-
-TESTBED_NAMES = {
-    "moa_tli0": "MoA TLI=0",
-    "moa_tli1": "MoA TLI=1",
-    "moa_no_lsa": "MoA without LSA",
-    "eagle": "EAGLE",
-    "independent": "independent",
-    "griffin": "GRIFFIN drafter (TGF)",
-}
-SEED = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
-
-
-ALIGNED = re.compile(r"^(?P<method>.+)_a(?P<steps>\d+)(?:t(?P<topk>\d+))?$")
-
-
-def _testbed_name(method: str) -> str:
-    for suffix, words in (("_slim", ", slim LSA"), ("_k3_8", ", K ~ U[3, 8]")):
-        if method.endswith(suffix):
-            return _testbed_name(method[: -len(suffix)]) + words
-    aligned = ALIGNED.match(method)
-    if aligned:  # token-aligned training (GRIFFIN's): N passes, top-k mask
-        topk = f", top-{aligned['topk']}" if aligned["topk"] else ""
-        return f"{_testbed_name(aligned['method'])} + alignment ({aligned['steps']} passes{topk})"
-    return TESTBED_NAMES.get(method, method)
-
-
-def _testbed(runs: list[dict[str, Any]]) -> Iterator[list[Any]]:
-    """Greedy tau per drafter: chains of K=4 and K=6 and trees, the mean over seeds (each seed
-    in parentheses when there are several), and the ratios to EAGLE's means."""
-    taus: dict[str, dict[str, dict[int, float]]] = {}  # method -> setting -> seed -> tau
-    for data in runs:
-        seed0 = int((data.get("config") or {}).get("drafter_seed") or 0)
-        for key, settings in data["results"].items():
-            if key == "plain":
-                continue
-            match = SEED.match(key)
-            method, seed = (match["method"], int(match["seed"])) if match else (key, seed0)
-            for setting, r in settings.items():
-                if isinstance(r, dict) and "tau" in r:
-                    taus.setdefault(method, {}).setdefault(setting, {})[seed] = r["tau"]
-    columns = sorted({s for m in taus.values() for s in m}, key=lambda s: (s.startswith("t"), s))
-
-    def mean(method: str, setting: str) -> float | None:
-        seeds = taus.get(method, {}).get(setting)
-        return sum(seeds.values()) / len(seeds) if seeds else None
-
-    def title(setting: str) -> str:
-        if setting.startswith("k"):
-            return f"tau, K={setting[1:]}"
-        depth, breadth, budget = (int(x[1:]) for x in setting.split("_")[1:])
-        return f"trees ({depth}, {breadth}, {budget})"
-
-    yield ["drafter", "seeds", *map(title, columns), "x EAGLE"]
-    for method, settings in taus.items():
-        seeds = sorted({seed for by in settings.values() for seed in by})
-        cells = []
-        for setting in columns:
-            m, by = mean(method, setting), settings.get(setting, {})
-            cell = "" if m is None else f"{m:.2f}"
-            if m is not None and len(by) > 1:
-                cell += " (" + ", ".join(f"{by[s]:.2f}" for s in sorted(by)) + ")"
-            cells.append(cell)
-        ratios = []
-        for setting in columns:
-            m, e = mean(method, setting), mean("eagle", setting)
-            ratios.append(f"{m / e:.2f}" if m is not None and e else "-")
-        yield [_testbed_name(method), ", ".join(map(str, seeds)), *cells,
-               "1" if method == "eagle" else " / ".join(ratios)]  # fmt: skip
-
-
-_ARM_NAMES = {
-    "moa_k4": "MoA, K=4",
-    "moa_k4_adaptive": "MoA, adaptive up to K=4 (default)",
-    "eagle_k4": "vLLM EAGLE, K=4",
-    "ngram_k4": "vLLM ngram, K=4",
-}
-
-
-def _throughput_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
-    """One row per batch size, one column per method: speed-up over plain (ratio of the
-    medians) and tau."""
-    rows = data["results"]
-    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
-    yield ["batch", "plain tok/s", *(_ARM_NAMES.get(m, m) for m in methods)]
-    for batch in sorted({r["batch_size"] for r in rows}):
-        at = {r["method"]: r for r in rows if r["batch_size"] == batch}
-        cells = []
-        for m in methods:
-            r = at.get(m)
-            tau = f", tau {r['tau']:.2f}" if r is not None and "tau" in r else ""
-            cells.append("" if r is None else f"{r['speedup_vs_plain']:.2f}x{tau}")
-        yield [batch, f"{at['plain']['output_tokens_per_s']:.1f}", *cells]
-
-
-def _compact(data: dict[str, Any]) -> Iterator[list[Any]]:
-    if data.get("benchmark") == "throughput":
-        return _throughput_compact(data)
-    return _serve_sweep_compact(data)
-
-
-# Layouts a marker may name after the results file (`<!-- results-table: NAME LAYOUT -->`).
-LAYOUTS: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
-    "compact": _compact,
-}
-
-TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
-    "draft_cost": _draft_cost,
-    "throughput": _throughput,
-    "serve_sweep": _serve_sweep,
-    "standalone_adaptive": _standalone,
-    "hsd": _hsd,
-    "remote_links": _remote_links,
-    "remote_capacity": _remote_capacity,
-    "remote_disconnect": _remote_disconnect,
-    "testbed": lambda data: _testbed([data]),
-}
-
-
 def _load(name: str) -> dict[str, Any]:
-    path = RESULTS / f"{name}.json"
-    if not path.is_file():
-        raise SystemExit(f"results-table marker names {name!r}, but {path} does not exist")
-    data: dict[str, Any] = json.loads(path.read_text())
+    data: dict[str, Any] = json.loads(find(name).read_text())
     return data
 
 
@@ -412,21 +357,14 @@ def render_table(name: str, layout: str | None = None) -> str:
         runs = [_load(n) for n in name.split(",")]
         if any(r.get("benchmark") != "testbed" for r in runs):
             raise SystemExit(f"results-table {name!r}: only testbed runs can be merged")
-        return _markdown(list(_testbed(runs)))
+        return markdown(list(testbed_rows(runs)))
     data = _load(name)
     if layout is not None and layout not in LAYOUTS:
         raise SystemExit(f"results-table marker names layout {layout!r}; known: {list(LAYOUTS)}")
     make = LAYOUTS[layout] if layout is not None else TABLES.get(data.get("benchmark", ""))
     if make is None:
         raise SystemExit(f"no table layout for benchmark {data.get('benchmark')!r} ({name})")
-    return _markdown(list(make(data)))
-
-
-def _markdown(rows: list[list[Any]]) -> str:
-    header, *body = rows
-    lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(map(str, row)) + " |" for row in body]
-    return "\n".join(lines) + "\n"
+    return markdown(list(make(data)))
 
 
 def render_doc(text: str) -> str:
@@ -435,20 +373,45 @@ def render_doc(text: str) -> str:
     )
 
 
+def problems() -> list[str]:
+    """Results files that break the folder rules: a stem in two folders, a file outside its
+    benchmark's folder, a machine path recorded."""
+    out = []
+    stems: dict[str, str] = {}
+    for path in results_files():
+        where = f"{path.parent.name}/{path.name}"
+        if path.stem in stems:
+            out.append(f"{where}: the name of {stems[path.stem]} too (names must be unique)")
+        stems[path.stem] = where
+        data = json.loads(path.read_text())
+        if path.parent != folder(str(data.get("benchmark"))):
+            out.append(f"{where}: a {data.get('benchmark')} result outside its folder")
+        out += [f"{where}: machine path {p!r} (name its root)" for p in machine_paths(data)]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="fail if the index or a table is stale")
+    p.add_argument(
+        "--check", action="store_true", help="fail if the index, README or a table is stale"
+    )
     args = p.parse_args(argv)
-    stale = []
-    wanted = {INDEX: render_index()}
+    rows = index_rows()
+    wanted = {INDEX: render_index(rows), README: render_readme(rows)}
     for doc in DOCS:
         if doc.is_file():
             wanted[doc] = render_doc(doc.read_text())
+    stale = []
     for path, text in wanted.items():
         if not path.is_file() or path.read_text() != text:
             stale.append(path.relative_to(ROOT))
             if not args.check:
                 path.write_text(text)
+    broken = problems()
+    for problem in broken:
+        print(problem, file=sys.stderr)
+    if broken:
+        return 1
     if args.check and stale:
         names = ", ".join(map(str, stale))
         print(f"stale: {names}; run `python -m benchmarks.results_index`", file=sys.stderr)

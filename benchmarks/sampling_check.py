@@ -2,8 +2,9 @@
 
     python -m benchmarks.sampling_check --target DIR --drafter DIR \
         --prompts ../shared/data/HumanEval.jsonl.gz \
-        --out benchmarks/results/sampling_check_cpu.json [--num-prompts 4] [--samples 48] \
-        [--max-tokens 32] [--temperature 1.0] [--top-k 0] [--top-p 1.0] [--method moa|ngram]
+        --out benchmarks/results/sampling_check/sampling_check_cpu.json \
+        [--num-prompts 4] [--samples 48] [--max-tokens 32] [--temperature 1.0] [--top-k 0] \
+        [--top-p 1.0] [--method moa|ngram]
 
 Arms, one in-process engine each, one at a time: `plain` (no speculation), `spec` (the
 speculative method, as installed: with vllm_moa's CPU sampling fixes) and, on vLLM's CPU backend,
@@ -108,7 +109,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from benchmarks.testbed.evaluate import read_prompts
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
     from vllm_moa.vllm_plugin.cpu_fixes import unfixed_cpu_expand
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -124,7 +125,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0: off")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--out", required=True)
+    add_out_argument(p, "sampling_check")
     args = p.parse_args()
     if args.method == "moa" and not args.drafter:
         p.error("--method moa needs --drafter")

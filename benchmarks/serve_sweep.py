@@ -1,7 +1,8 @@
 """`vllm serve` under load: throughput and latency against request rate, with vLLM's own client.
 
     python -m benchmarks.serve_sweep --target DIR --moa DIR [DIR ...] [--eagle DIR] \
-        --prompts HumanEval.jsonl.gz --rates 0.5 1 2 inf --out benchmarks/results/serve_sweep.json
+        --prompts HumanEval.jsonl.gz --rates 0.5 1 2 inf \
+        --out benchmarks/results/serve_sweep/serve_sweep.json
 
 For each method (plain; each MoA drafter, with adaptive speculation length and with the fixed K
 unless `--adaptive on|off`; vLLM's EAGLE on our exported EAGLE drafter) one
@@ -237,7 +238,7 @@ def _rows(
 
 
 def main() -> None:
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
     from benchmarks.throughput import vllm_eagle_dir
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -245,7 +246,7 @@ def main() -> None:
     p.add_argument("--moa", nargs="*", default=[], help="MoA drafter(s): one server each")
     p.add_argument("--eagle", default=None, help="EAGLE drafter (ours or vLLM-format)")
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "serve_sweep")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--rates", nargs="+", default=["0.5", "1", "2", "inf"])
     p.add_argument("--num-prompts", type=int, default=32)

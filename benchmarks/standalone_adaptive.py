@@ -2,7 +2,8 @@
 adaptive speculation length (the default), in output tokens/s.
 
     python -m benchmarks.standalone_adaptive --target DIR --drafter DIR [DIR ...] \
-        --prompts HumanEval.jsonl.gz --out benchmarks/results/standalone_adaptive_cpu.json
+        --prompts HumanEval.jsonl.gz \
+        --out benchmarks/results/standalone/standalone_adaptive_cpu.json
 
 One engine per drafter, one target for all. For each prompt (`--prompts`, `--num-prompts` of
 them, `--rounds` passes) the three modes run back to back, greedy, `--max-tokens` new tokens,
@@ -111,13 +112,13 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def main() -> None:
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", nargs="+", required=True, help="one engine each")
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "standalone_adaptive")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2)

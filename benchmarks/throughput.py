@@ -1,7 +1,7 @@
 """vLLM serving throughput: plain decoding vs MoA (and vLLM's own EAGLE) across batch sizes.
 
     python -m benchmarks.throughput --target DIR --drafter DIR --prompts HumanEval.jsonl.gz \
-        [--eagle EAGLE_DIR] --out benchmarks/results/throughput.json
+        [--eagle EAGLE_DIR] --out benchmarks/results/throughput/throughput.json
 
 `--eagle` takes an EAGLE drafter from our pipeline (`vllm-moa train --method eagle`; exported
 to vLLM's EAGLE format on the fly) or an already exported one, served by vLLM's built-in `eagle`
@@ -223,7 +223,7 @@ def vllm_eagle_dir(path: str, target: str) -> str:
 
 def main() -> None:
     from benchmarks.testbed.evaluate import read_prompts
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
@@ -236,7 +236,7 @@ def main() -> None:
         "--enforce-eager", action="store_true", help="eager target (default: compiled, as served)"
     )
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
-    p.add_argument("--out", required=True, help="results JSON (a PNG is written beside it)")
+    add_out_argument(p, "throughput")
     p.add_argument("--k", type=int, nargs="+", default=[4])
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--rounds", type=int, default=2)

@@ -1,7 +1,7 @@
 """Does a drafter-side tree search raise tau when only a chain can be verified (vLLM 0.32)?
 
     python -m benchmarks.tree_path --target DIR --drafter DIR --prompts HumanEval.jsonl.gz \
-        --out benchmarks/results/tree_path_cpu.json
+        --out benchmarks/results/tree_path/tree_path_cpu.json
 
 For each cycle the MoA drafter builds an EAGLE-2 tree (depth K, breadth W, every expanded node
 kept) and submits one root-to-node path as the chain: the one with the largest expected
@@ -74,7 +74,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from benchmarks.testbed.evaluate import read_prompts, run_generations
-    from benchmarks.testbed.report import save_json
+    from benchmarks.testbed.report import add_out_argument, save_json
     from vllm_moa.checkpoint import load_drafter
     from vllm_moa.checkpoint.io import drafter_dir_of
     from vllm_moa.decoding import SpeculativeEngine
@@ -85,7 +85,7 @@ def main() -> None:
     p.add_argument("--target", required=True)
     p.add_argument("--drafter", required=True, help="MoA drafter (or its `train --out` dir)")
     p.add_argument("--prompts", required=True)
-    p.add_argument("--out", required=True)
+    add_out_argument(p, "tree_path")
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--breadths", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--num-prompts", type=int, default=20)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (issue 44) in one device call: every step in its own process under its own
 # timeout, most important first, within a 420 s budget; one results JSON (rewritten after each
-# step) and one log, named after the card, in $OUT (else benchmarks/results/). docs/gpu.md.
+# step) and one log, named after the card, in $OUT (else benchmarks/results/gpu_check/).
+# docs/gpu.md.
 #
 #   bash scripts/gpu_check.sh            # the whole check (device tool: timeout_s 480)
 #   bash scripts/gpu_check.sh --short    # steps 1-3 only, a rerun after a fix

@@ -1,5 +1,5 @@
 """Step 6 (when time is left): PROJECTIONS, not measurements, of MoA's speedup at Llama-3-8B
-cost with the taus of the CPU testbed (benchmarks/results/testbed_cpu_slim.json: a 4-layer
+cost with the taus of the CPU testbed (benchmarks/results/testbed/testbed_cpu_slim.json: a 4-layer
 target and 1M-parameter drafters, so they say what those taus would buy at 8B cost, not what an
 8B drafter achieves), for MoA TLI 0:
 
@@ -20,7 +20,7 @@ from typing import Any
 from benchmarks.cost_model import LLAMA3_8B, TREE, load_taus, measure, project
 from benchmarks.gpu_check.common import ROOT, StepContext
 
-TAUS = ROOT / "benchmarks" / "results" / "testbed_cpu_slim.json"
+TAUS = ROOT / "benchmarks" / "results" / "testbed" / "testbed_cpu_slim.json"
 MIN_MEASURE_S = 60  # the cost model builds an 8B target and six drafters before timing
 
 

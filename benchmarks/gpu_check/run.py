@@ -4,12 +4,12 @@
     python -m benchmarks.gpu_check [--short] [--cpu] [--out DIR] [--budget SECONDS]
                                    [--steps ID,ID]   (e.g. 4_engine: a rerun of one step)
 
-Files: DIR/gpu_check_<card>.json and .log (DIR: --out, else $OUT, else benchmarks/results;
-<card> from torch.cuda.get_device_name after step 1, `cpu` on the CPU; `_short` appended for
---short, `_steps` for --steps). A step gets min(its own limit, what is left of --budget) and
-is skipped, with the reason, when less than its minimum is left. The git SHA: $GPU_CHECK_SHA,
-else git, else the file .gpu_check_sha in the checkout (a device call's tree has no .git),
-else "unknown".
+Files: DIR/gpu_check_<card>.json and .log (DIR: --out, else $OUT, else
+benchmarks/results/gpu_check; <card> from torch.cuda.get_device_name after step 1, `cpu` on the
+CPU; `_short` appended for --short, `_steps` for --steps). A step gets min(its own limit, what is
+left of --budget) and is skipped, with the reason, when less than its minimum is left. The git
+SHA: $GPU_CHECK_SHA, else git, else the file .gpu_check_sha in the checkout (a device call's tree
+has no .git), else "unknown".
 """
 
 from __future__ import annotations
@@ -120,7 +120,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[Step]]:
     )
     p.add_argument("--short", action="store_true", help="steps 1-3 only (a rerun after a fix)")
     p.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (also without CUDA)")
-    p.add_argument("--out", type=Path, default=None, help="default: $OUT, else benchmarks/results")
+    p.add_argument(
+        "--out", type=Path, default=None, help="default: $OUT, else benchmarks/results/gpu_check"
+    )
     p.add_argument("--budget", type=float, default=420.0, help="seconds for all steps together")
     p.add_argument(
         "--steps", default=None, help="only these step ids, comma-separated (1_env always runs)"
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     cpu = args.cpu or not torch.cuda.is_available()
-    out = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results")
+    out = args.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / "gpu_check")
     header: dict[str, Any] = {
         "benchmark": "gpu_check",
         "mode": "cpu" if cpu else "cuda",

@@ -1,7 +1,7 @@
 """One command, cached and resumable:
 
     python -m benchmarks.testbed --preset cpu --prompts ../shared/data/HumanEval.jsonl.gz \
-        --out ~/.cache/vllm_moa/testbed-cpu --results benchmarks/results/testbed_cpu.json
+        --out ~/.cache/vllm_moa/testbed-cpu --results benchmarks/results/testbed/testbed_cpu.json
 
 1. builds and trains a small Llama target (BPE tokenizer + LM on the stdlib sources of this
    Python, plus --extra-text files); 2. trains MoA TLI=0, MoA TLI=1, MoA without LSA, EAGLE and
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.results_paths import folder
 from benchmarks.testbed.drafters import (
     EXTRA_METHODS,
     METHODS,
@@ -135,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     p.add_argument("--prompts", required=True, help="held-out prompts, e.g. HumanEval.jsonl.gz")
     p.add_argument("--out", required=True, help="work directory (cached stages)")
-    p.add_argument("--results", default=None, help="results JSON path (PNG beside it)")
+    p.add_argument(
+        "--results",
+        default=None,
+        help="results JSON path (PNG beside it); default: "
+        "benchmarks/results/testbed/testbed_<preset>.json",
+    )
     p.add_argument("--extra-text", nargs="*", default=[], help="more training text files")
     p.add_argument(
         "--methods",
@@ -244,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"no prompts in {args.prompts} after the first {args.skip_prompts}")
     drafter_dirs = {n: out / "drafters" / n / "drafter" for n in drafter_stats}
     tree = TreeParams(*args.tree) if args.tree else None
-    results = Path(args.results) if args.results else out / f"testbed_{args.preset}.json"
+    results = Path(args.results or folder("testbed") / f"testbed_{args.preset}.json")
 
     def report(figures: dict[str, Any], complete: bool) -> None:
         """The results JSON: after each drafter's evaluation (partial), and at the end."""

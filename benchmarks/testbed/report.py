@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import json
 import os
 import platform
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.results_paths import folder, portable, shell_join
 
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = ":(exclude)benchmarks/results"  # where runs write their figures
@@ -47,10 +53,47 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def command() -> str | None:
+    """The command line of this run, where it was started as `python -m benchmarks...`."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is None or not spec.name.startswith("benchmarks."):
+        return None  # e.g. a test calling main(argv): sys.argv is not this run's
+    return shell_join(["python", "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
+
+
+def default_out(benchmark: str) -> Path:
+    """Where a run writes when given no --out: its benchmark's folder, named after the device
+    kind (`throughput_cpu.json`, `throughput_gpu.json`; rename it for the record)."""
+    device = "gpu" if torch.cuda.is_available() else "cpu"  # no CUDA context is created
+    return folder(benchmark) / f"{benchmark}_{device}.json"
+
+
+def add_out_argument(
+    p: argparse.ArgumentParser, benchmark: str, type: Callable[[str], Any] = str
+) -> None:
+    """`--out`, by default in the benchmark's results folder (`default_out`)."""
+    default = default_out(benchmark)
+    p.add_argument(
+        "--out",
+        type=type,
+        default=str(default),
+        help=f"results JSON (a PNG is written beside it); default: {default.relative_to(REPO)}",
+    )
+
+
 def save_json(path: Path, benchmark: str, report: dict[str, Any]) -> dict[str, Any]:
-    """Write a benchmark's results JSON with its name, the git SHA and the machine added."""
+    """Write a benchmark's results JSON with its name, the git SHA, the date, the command and the
+    machine added, every path in it relative to a named root (`benchmarks.results_paths`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    full = {"benchmark": benchmark, "git_sha": git_sha(), "machine": machine(), **report}
+    full = {
+        "benchmark": benchmark,
+        "git_sha": git_sha(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command(),
+        "machine": machine(),
+        **report,
+    }
+    full = portable(full)
     path.write_text(json.dumps(full, indent=2) + "\n")
     return full
 
