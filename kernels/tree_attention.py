@@ -175,7 +175,7 @@ if triton is not None:
 def default_tiles(element_size: int, block_d: int) -> tuple[int, int, int]:
     """(block_m, block_n, num_warps): the largest tiles whose builds for Hopper (sm_90) and
     Ampere (sm_80) spill no registers, read off the compiler (benchmarks/kernels_aot.py,
-    results/kernels_aot.json; GPU timing pending). 16-bit: 64 rows x 64 keys on the tensor
+    results/kernels/kernels_aot.json; GPU timing pending). 16-bit: 64 rows x 64 keys on the tensor
     cores, 8 warps at head size 128 (with 4 warps Hopper's build spills: 255 registers per
     thread; with 8, 202 and no spills), 4 at 64. fp32 products run in full precision on the FMA
     units, whose operand layouts take far more registers: 16 rows x 16 keys, 4 warps (64 x 32,

@@ -215,18 +215,21 @@ def test_demo_end_to_end(tmp_path, capsys):
         batch_size=4,
         seq_len=32,
         corpus_bytes=200_000,
+        wide=(512, 1024, 8),
         version="demo-test",
     )
     # The first build reports on stderr only: scripts/demo.sh reads the two paths from stdout.
     target_dir, drafter_dir = ensure_demo_models(tmp_path, recipe)
     built = capsys.readouterr()
-    assert built.out == "" and "building the demo target" in built.err
-    assert (target_dir / "config.json").is_file() and (drafter_dir / "config.json").is_file()
-    assert run_demo(str(tmp_path), "def f(x):", 12, 3, recipe) == 0
+    assert built.out == "" and "building the demo target" in built.err and "widening" in built.err
+    assert json.loads((target_dir / "config.json").read_text())["hidden_size"] == 512
+    assert (drafter_dir / "config.json").is_file()
+    assert run_demo(str(tmp_path), ["def f(x):", "import os\n"], 12, 3, 2, recipe) == 0
     out = capsys.readouterr()
-    assert "identical to plain greedy decoding: True" in out.out and "tau=" in out.out
+    assert "identical to plain greedy decoding: 2/2" in out.out and "speed-up:" in out.out
+    assert "tokens per target pass" in out.out
     assert (tmp_path / "demo-test" / ".complete").is_file()
-    assert "building" not in out.err  # cached: nothing built again
+    assert "building" not in out.err and "widening" not in out.err  # cached: nothing built again
 
 
 def test_generate_with_a_tree(capsys, tiny_target_dir, drafter_dir):

@@ -5,6 +5,7 @@ there: scripts/device_tree.sh lays the checkout out as an install does)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -52,9 +53,17 @@ def test_the_editable_install_maps_the_kernels():
 def test_the_wheel_installs_the_kernels_as_vllm_moa_kernels(tmp_path):
     """Every source file lands at its package path, there is no top-level `kernels` package (PyPI
     has one), and the installed copy imports from itself, from any directory."""
+    source = tmp_path / "src"  # a copy: a build writes build/ and *.egg-info/ beside its sources
+    source.mkdir()
+    skip = shutil.ignore_patterns("__pycache__")
+    for name in ("pyproject.toml", "README.md", "LICENSE", "vllm_moa", "kernels"):
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=skip)
+        elif (ROOT / name).is_file():
+            shutil.copy(ROOT / name, source / name)
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
     build = subprocess.run(
-        [*pip_wheel, "--wheel-dir", str(tmp_path / "dist"), str(ROOT)],
+        [*pip_wheel, "--wheel-dir", str(tmp_path / "dist"), str(source)],
         capture_output=True,
         text=True,
         timeout=300,

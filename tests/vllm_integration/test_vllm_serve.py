@@ -182,3 +182,27 @@ def test_top_k_and_seeded_sampling_keep_the_server_serving(client):
     assert again == first
     ok = client.completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0)
     assert ok.choices[0].text is not None
+
+
+def test_compare_servers_example(server, tmp_path, capsys):
+    """examples/compare_servers.py (what scripts/demo.sh runs on the demo pair), here with the
+    same MoA server as both arms: outputs compared, tokens/s, tau from /metrics, JSON + plot."""
+    import importlib.util
+    import json
+
+    need("openai")
+    need("matplotlib")
+    path = Path(__file__).resolve().parents[2] / "examples" / "compare_servers.py"
+    spec = importlib.util.spec_from_file_location("compare_servers", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    out = tmp_path / "demo"
+    args = ["--plain", server, "--moa", server, "--rounds", "2", "--max-tokens", "12"]
+    assert example.main([*args, "--prompt", "def f(x):\n", "--out", str(out)]) == 0
+    result = json.loads(out.with_suffix(".json").read_text())
+    assert result["identical"] == 1 and len(result["rounds"]["moa"]) == 2
+    assert result["moa_drafts"] > 0 and result["moa_tau"] >= 1.0
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "outputs identical: 1/1 prompts" in printed and "speed-up:" in printed

@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from vllm_moa.cli.common import encode_prompt, eos_ids, eos_ids_of, runtime
+from vllm_moa.cli.common import encode_prompt, runtime
+from vllm_moa.hf_target.eos import eos_ids, eos_ids_of
 
 if TYPE_CHECKING:
     from vllm_moa.demo import DemoRecipe
@@ -322,38 +323,38 @@ def train(args: argparse.Namespace) -> int:
 
 
 def demo(args: argparse.Namespace) -> int:
-    return run_demo(args.cache_dir, args.prompt, args.max_new_tokens, args.num_speculative_tokens)
+    return run_demo(
+        args.cache_dir, args.prompt, args.max_new_tokens, args.num_speculative_tokens, args.rounds
+    )
 
 
 def run_demo(
     cache_dir: str | None,
-    prompt: str,
+    prompts: list[str] | None,
     max_new_tokens: int,
     num_speculative_tokens: int,
+    rounds: int,
     recipe: DemoRecipe | None = None,
 ) -> int:
-    from vllm_moa.demo import ensure_demo_models
+    """Plain decoding and MoA side by side on the demo's widened pair; 1 if any output differs."""
+    from vllm_moa.demo import PROMPTS, compare, ensure_demo_models
 
     target_dir, drafter_dir = ensure_demo_models(cache_dir, recipe)
-    print(f"target:  {target_dir}\ndrafter: {drafter_dir}\nprompt:  {prompt!r}\n")
-    runs = {}
-    for name, drafter in (("plain", None), ("moa", str(drafter_dir))):
-        runs[name] = record = run_generation(
-            str(target_dir),
-            drafter,
-            prompt,
-            max_new_tokens=max_new_tokens,
-            num_speculative_tokens=num_speculative_tokens,
-        )
-        print(f"--- {name} decoding (greedy) ---")
-        print(record["text"])
-        _print_stats(record)
-        print()
-    same = runs["plain"]["token_ids"] == runs["moa"]["token_ids"]
-    print(f"speculative output identical to plain greedy decoding: {same}")
-    print(
-        f"target calls: {runs['plain']['target_calls']} plain -> {runs['moa']['target_calls']} "
-        f"with MoA (tau={runs['moa']['mean_accepted_length']:.2f}); wall-clock speed on a CPU "
-        "with models this small is dominated by Python overhead, so read tau, not tok/s."
+    prompts = prompts or list(PROMPTS)
+    print(f"target:  {target_dir}\ndrafter: {drafter_dir}")
+    print(f"{len(prompts)} prompts x {max_new_tokens} greedy tokens, {rounds} rounds of each ...\n")
+    result = compare(
+        target_dir, drafter_dir, prompts, max_new_tokens, num_speculative_tokens, rounds
     )
+    for prompt, text in zip(prompts, result.moa.texts, strict=True):
+        print(f"--- {prompt!r} ---\n{prompt}{text}\n")
+    plain, moa = result.plain, result.moa
+    print(f"{'':32}{'plain':>10}{'MoA':>10}")
+    print(f"{'tokens/s (median of rounds)':32}{plain.median_tokens_per_s:>10.1f}"
+          f"{moa.median_tokens_per_s:>10.1f}")  # fmt: skip
+    print(f"{'tokens per target pass':32}{plain.tokens_per_target_pass:>10.2f}"
+          f"{moa.tokens_per_target_pass:>10.2f}")  # fmt: skip
+    same = result.identical == len(prompts)
+    print(f"\noutputs identical to plain greedy decoding: {result.identical}/{len(prompts)}")
+    print(f"speed-up: {result.speedup:.2f}x (MoA over plain, median of the rounds' ratios)")
     return 0 if same else 1

@@ -1,4 +1,4 @@
-"""What several `vllm-moa` subcommands share: the device and dtype flags, prompts, end ids."""
+"""What several `vllm-moa` subcommands share: the device and dtype flags, prompts."""
 
 from __future__ import annotations
 
@@ -19,16 +19,6 @@ def runtime(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     return device, _DTYPES[args.dtype]
 
 
-def eos_ids(tokenizer: Any, model: Any) -> list[int]:
-    ids: set[int] = set()
-    for source in (tokenizer.eos_token_id, getattr(model.generation_config, "eos_token_id", None)):
-        if isinstance(source, int):
-            ids.add(source)
-        elif isinstance(source, (list, tuple)):
-            ids.update(int(i) for i in source)
-    return sorted(ids)
-
-
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool, target_dir: str) -> list[int]:
     if not chat:
         return list(tokenizer(prompt)["input_ids"])
@@ -39,14 +29,3 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool, target_dir: str) -> l
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)
-
-
-def eos_ids_of(target_dir: str, tokenizer: Any) -> list[int]:
-    """The target's end-of-sequence ids without loading its weights."""
-    from transformers import GenerationConfig
-
-    try:
-        generation: Any = GenerationConfig.from_pretrained(target_dir)
-    except OSError:
-        generation = None
-    return eos_ids(tokenizer, type("Model", (), {"generation_config": generation})())

@@ -52,8 +52,9 @@ def run_hierarchy(
     """`generate --hierarchy`: the levels loaded and checked, one generation, its record."""
     from transformers import AutoTokenizer
 
-    from vllm_moa.cli.common import encode_prompt, eos_ids
+    from vllm_moa.cli.common import encode_prompt
     from vllm_moa.factories.proposers import level_proposer
+    from vllm_moa.hf_target.eos import eos_ids
     from vllm_moa.hsd.hierarchy import HierarchicalEngine, Level
 
     sizes = buffers or [DEFAULT_BUFFER] * len(hierarchy)

@@ -266,13 +266,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="writes OUT/target and OUT/drafters/NAME")
     p.set_defaults(func=commands.inflate)
 
-    p = sub.add_parser("demo", help="build the tiny default target + drafter and generate")
+    p = sub.add_parser(
+        "demo", help="build the demo pair (cached) and compare plain decoding with MoA"
+    )
     p.add_argument(
         "--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa"
     )
-    p.add_argument("--prompt", default="def fibonacci(n):")
-    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument(
+        "--prompt", action="append", default=None, help="repeat for several (default: 4 built in)"
+    )
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
+    p.add_argument("--rounds", type=positive_int, default=3, help="alternating timed rounds")
     p.set_defaults(func=commands.demo)
     return parser
 
