@@ -184,17 +184,8 @@ class SpeculativeEngine:
                 drafted = stats.num_draft_tokens - drafted_before
                 seconds = time.perf_counter() - cycle_began
                 policy.observe(drafted, len(new) - 1, seconds, probe_cost)
-            for token in new:
-                generated.append(token)
-                finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)
-                if finish is not None:
-                    break
-
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
-        stats.wall_time_s = time.perf_counter() - t0
-        stats.num_generated_tokens = len(generated)
-        return GenerationResult(token_ids=generated, finish_reason=finish, stats=stats)
+            finish = emit(target, generated, new, len(prompt), max_new_tokens, eos)
+        return result(target, generated, finish, stats, t0)
 
     def _plain_step(
         self,
@@ -300,6 +291,36 @@ def check_request(target: HFTarget, prompt_ids: Sequence[int], max_new_tokens: i
             f"prompt has {len(prompt_ids)} tokens but the model's context is {limit}: "
             f"shorten it to at most {limit - 1} tokens"
         )
+
+
+def emit(
+    target: HFTarget,
+    generated: list[int],
+    new: Sequence[int],
+    prompt_len: int,
+    max_new_tokens: int,
+    eos: set[int],
+) -> str | None:
+    """Append a cycle's `new` tokens to `generated` up to the first that ends generation; why it
+    ends (None: it goes on)."""
+    finish = None
+    for token in new:
+        generated.append(token)
+        finish = finish_reason(target, generated, prompt_len, max_new_tokens, eos)
+        if finish is not None:
+            break
+    return finish
+
+
+def result(
+    target: HFTarget, generated: list[int], finish: str, stats: GenerationStats, began: float
+) -> GenerationResult:
+    """The finished generation, its wall time counted from `began` (GPU work included)."""
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    stats.wall_time_s = time.perf_counter() - began
+    stats.num_generated_tokens = len(generated)
+    return GenerationResult(token_ids=generated, finish_reason=finish, stats=stats)
 
 
 def finish_reason(

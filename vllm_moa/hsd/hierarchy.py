@@ -36,7 +36,9 @@ from vllm_moa.decoding.engine import (
     GenerationResult,
     RejectionVerifier,
     check_request,
+    emit,
     finish_reason,
+    result,
 )
 from vllm_moa.decoding.ngram_proposer import NgramProposer
 from vllm_moa.decoding.proposer import LevelProposer, LevelScorer, choose_token
@@ -149,17 +151,9 @@ class HierarchicalEngine:
         while finish is None:
             position = len(prompt) + len(generated) - 1  # of the last token, not yet run
             room = min(target.max_length - position - 2, max_new_tokens - len(generated) - 1)
-            for token in self._cycle(generated[-1], position, room, params, gen, stats):
-                generated.append(token)
-                finish = finish_reason(target, generated, len(prompt), max_new_tokens, eos)
-                if finish is not None:
-                    break
-
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
-        stats.wall_time_s = time.perf_counter() - t0
-        stats.num_generated_tokens = len(generated)
-        return GenerationResult(token_ids=generated, finish_reason=finish, stats=stats)
+            new = self._cycle(generated[-1], position, room, params, gen, stats)
+            finish = emit(target, generated, new, len(prompt), max_new_tokens, eos)
+        return result(target, generated, finish, stats, t0)
 
     def _cycle(
         self,
