@@ -60,7 +60,7 @@ README = RESULTS / "README.md"
 DOCS = [
     ROOT / "README.md",
     *sorted((ROOT / "docs").glob("*.md")),
-    ROOT / "benchmarks" / "TESTBED.md",
+    ROOT / "benchmarks" / "testbed" / "README.md",
 ]
 MARKER = re.compile(
     r"(<!-- results-table: (?P<name>[\w.,-]+)(?: (?P<layout>[\w-]+))? -->\n)(?P<body>.*?)"
@@ -241,7 +241,7 @@ MEASURES = {
     "throughput": "vLLM offline throughput, plain vs MoA (and vLLM's EAGLE, ngram) per batch size",
     "serve_sweep": "`vllm serve` under load: throughput and latency against request rate",
     "testbed": "tau of drafters trained against the project's small Llama target (greedy, "
-    "chains and trees); each run's command and findings: [TESTBED.md](../TESTBED.md)",
+    "chains and trees); each run's command and findings: [testbed/README.md](../testbed/README.md)",
     "standalone_adaptive": "the standalone engine: plain vs fixed-K vs adaptive speculation",
     "remote_links": "client-server speculative decoding over emulated 5G / 4G links",
     "remote_capacity": "server capacity with 1 to 32 concurrent client-server clients",

@@ -84,7 +84,7 @@ class TrainConfig:
             "min": 1,
             "help": "MoA: the Cross-Attention's memory is K-step bounded, K ~ U[min, max] per "
             "sequence (the paper's 5..15); a top near the drafting depth (e.g. 3..8 for depth 6) "
-            "can raise the first draft's acceptance (benchmarks/TESTBED.md, 'The training K "
+            "can raise the first draft's acceptance (benchmarks/testbed/README.md, 'The training K "
             "range')",
         },
     )
