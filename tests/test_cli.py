@@ -6,6 +6,8 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from vllm_moa.cli.main import main
 
@@ -142,6 +144,11 @@ def test_user_mistakes_are_one_line_errors(capsys, tmp_path, tiny_target_dir, dr
     shutil.copytree(drafter_dir, corrupt)
     (corrupt / "model.safetensors").write_bytes(b"not safetensors")
     assert "corrupt" in _error(capsys, *gen, "--prompt", "a", "--drafter", str(corrupt))
+    weights = load_file(f"{drafter_dir}/model.safetensors")  # intact, but for one NaN
+    weights["Ekv2E.bias"][0] = torch.nan
+    save_file(weights, str(corrupt / "model.safetensors"))
+    msg = _error(capsys, *gen, "--prompt", "a", "--drafter", str(corrupt))
+    assert "tensors hold NaN or Inf: Ekv2E.bias (1 of 128 values)" in msg
     other = tmp_path / "other"
     shutil.copytree(drafter_dir, other)
     cfg = json.loads((other / "config.json").read_text())

@@ -4,7 +4,8 @@ Reads config.json and the header of model.safetensors only (no weights), so a se
 a bad drafter in its config step, in a second, with one message naming what is wrong and how to
 fix it: a directory that is not a drafter (a model, an empty folder), a drafter built for another
 target (layer count, KV width, vocabulary), a missing, truncated or corrupt weights file, or one
-whose tensors do not match its config.
+whose tensors do not match its config in name, shape or dtype (checkpoint/io.py's checks, which
+load_drafter runs too, reading the values for NaN / Inf besides).
 """
 
 from __future__ import annotations
@@ -16,50 +17,33 @@ import torch
 
 from vllm_moa.checkpoint.io import (
     CONFIG_NAME,
+    NOT_A_DRAFTER_DIR,
     WEIGHTS_NAME,
-    check_tensors,
+    DrafterCheckError,
+    check_header,
+    check_target,
     load_config,
+    read_header,
 )
 from vllm_moa.kinds import BY_MODEL_TYPE
 from vllm_moa.model.config import DrafterConfig, TargetShape
 
+__all__ = ["DrafterCheckError", "check_drafter_dir", "expected_shapes", "trained_chain_range"]
+
 TRAIN_CONFIG_NAME = "train_config.json"  # written by `vllm-moa train` beside its drafter/
-
-
-class DrafterCheckError(ValueError):
-    """A drafter directory that cannot serve the target; the message says why and what to do."""
 
 
 def check_drafter_dir(path: str | Path, target: TargetShape | None = None) -> DrafterConfig:
     """The drafter config at `path`, after checking its config, its target shape (if `target`)
     and its weights file's header. Raises DrafterCheckError."""
     path = Path(path)
-    config_file = path / CONFIG_NAME
-    if not config_file.is_file():
+    if not (path / CONFIG_NAME).is_file():
         raise DrafterCheckError(
-            f"{path} is not a drafter directory (no {CONFIG_NAME}); pass the drafter/ folder "
-            "`vllm-moa train --out` wrote, or one made by `vllm-moa init-drafter`"
+            f"{path} is not a drafter directory (no {CONFIG_NAME}); " + NOT_A_DRAFTER_DIR
         )
-    try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError) as e:
-        raise DrafterCheckError(f"{config_file} is not a readable JSON object ({e})") from None
-    if model_type not in BY_MODEL_TYPE:
-        raise DrafterCheckError(
-            f"{path} is not a vllm-moa drafter: its {CONFIG_NAME} has model_type "
-            f"{model_type!r} (a model, not a drafter?), expected one of {sorted(BY_MODEL_TYPE)}. "
-            "Pass the drafter's directory; for the authors' MoA release run "
-            "`vllm-moa convert-official` first"
-        )
-    try:
-        config = load_config(path)
-    except (TypeError, ValueError) as e:
-        raise DrafterCheckError(f"{config_file}: {e}") from None
+    config = load_config(path)
     if target is not None:
-        try:
-            config.check_target(target)
-        except ValueError as e:
-            raise DrafterCheckError(f"drafter {path}: {e}") from None
+        check_target(config, target, path)
     check_weights_file(path, config)
     return config
 
@@ -72,28 +56,14 @@ def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_weights_file(path: Path, config: DrafterConfig) -> None:
-    from safetensors import SafetensorError, safe_open
-
+    """Names, shapes and dtypes of the weights, from the file's header (NaN / Inf values are
+    found when load_drafter reads the data)."""
     file = path / WEIGHTS_NAME
-    if not file.is_file():
-        raise DrafterCheckError(
-            f"{path} has no {WEIGHTS_NAME}; the drafter's weights are missing (an interrupted "
-            "copy or training run?): copy them again or re-run `vllm-moa train`"
-        )
     try:
-        with safe_open(str(file), framework="pt") as f:
-            stored = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
-    except (SafetensorError, OSError) as e:
-        raise DrafterCheckError(
-            f"{file} is truncated or not a safetensors file ({e}); copy it again or re-save "
-            "the drafter"
-        ) from None
-    try:
-        check_tensors(expected_shapes(config), stored, str(file))
-    except ValueError as e:
-        raise DrafterCheckError(
-            f"{e}; the config and weights come from different drafters"
-        ) from None
+        header = read_header(file)
+    except FileNotFoundError as e:
+        raise DrafterCheckError(str(e)) from None
+    check_header(header, expected_shapes(config), file)
 
 
 def trained_chain_range(path: str | Path) -> tuple[int, int] | None:
