@@ -30,7 +30,7 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 # The safetensors dtypes a drafter's weights may have (load_drafter casts them to the dtype asked
 # for); anything else is refused by name rather than cast.
-WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 RECREATE = "re-create the drafter (`vllm-moa init-drafter` or `vllm-moa train`)"
 NOT_A_DRAFTER_DIR = (
     "pass the drafter/ folder `vllm-moa train --out` wrote, or one made by `vllm-moa init-drafter`"
