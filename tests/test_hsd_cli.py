@@ -86,7 +86,8 @@ def test_level_mistakes_are_one_line_errors(capsys, tmp_path, tiny_target_dir, d
     cfg["vocab_size"] += 1
     (other / "config.json").write_text(json.dumps(cfg))
     msg = _error(capsys, *gen, "--hierarchy", f"ngram,{other}")
-    assert f"LEVELS entry '{other}': drafter was built for a target with vocab size" in msg
+    assert f"LEVELS entry '{other}': drafter {other}: drafter was built for a target with " in msg
+    assert "vocab size 513, but the target has 512" in msg
     assert "empty entry" in _error(capsys, *gen, "--hierarchy", "ngram,,x")
     msg = _error(capsys, *gen, "--hierarchy", f"ngram,{moa}", "--buffers", "4")
     assert "--buffers has 1 sizes for 2 levels" in msg
