@@ -96,6 +96,18 @@ def parse_address(server: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _is_path(draft: DraftTree, accepted: list[int]) -> bool:
+    """Whether `accepted` follows the draft tree down from the root (the server accepts drafted
+    tokens only)."""
+    node = -1
+    for token in accepted:
+        match = [c for c in draft.children(node) if draft.tokens[c] == token]
+        if not match:
+            return False
+        node = match[0]
+    return True
+
+
 class _Link:
     """The blocking socket, with byte counts. Any failure -> ConnectionError."""
 
@@ -228,6 +240,7 @@ class RemoteClient:
         self.fingerprint = fingerprint(drafter_dir)
         self.timeout_s = timeout_s
         self.adaptive_lengths: dict[int, AdaptiveLengths] = {}  # by K, kept across calls
+        self.row_shapes: list[tuple[int, ...]] = []  # per row tensor [...], from STARTED
 
     @torch.no_grad()
     def generate(
@@ -326,7 +339,15 @@ class RemoteClient:
                 break
 
     def _open(self, link: _Link, run: _Run, params: SamplingParams, seed: int | None) -> None:
-        """START a session over the prompt and everything verified so far."""
+        """START a session over the prompt and everything verified so far; the link is closed
+        if that fails (the caller raises or retries)."""
+        try:
+            self._start(link, run, params, seed)
+        except BaseException:
+            link.close(polite=False)
+            raise
+
+    def _start(self, link: _Link, run: _Run, params: SamplingParams, seed: int | None) -> None:
         context = run.prompt + run.generated
         if seed is not None and run.generated:  # a resumed session: fresh random numbers
             seed = (seed + 1_000_003 * len(run.generated)) % (1 << 62)
@@ -342,9 +363,14 @@ class RemoteClient:
         reply = link.call(start)
         if not isinstance(reply, protocol.Started):
             raise ConnectionError(f"expected STARTED, got {type(reply).__name__}")
+        self._check_tokens([reply.first_token])
         self._check_rows(reply.rows, len(context))  # before the state it would replace goes
         self.target.reset()
-        self._absorb(reply.rows, len(context), start=context)
+        try:  # rows of the wrong width fail deep inside: name the reply instead
+            self._absorb(reply.rows, len(context), start=context)
+        except (ValueError, RuntimeError) as e:
+            raise ConnectionError(f"the server's STARTED rows do not fit this drafter: {e}") from e
+        self.row_shapes = [tuple(r.values.shape[1:]) for r in reply.rows]
         run.generated.append(reply.first_token)
         run.finish = reply.finish
         run.cycle = 0
@@ -412,11 +438,32 @@ class RemoteClient:
         return False
 
     def _verify(self, link: _Link, run: _Run, draft: DraftTree) -> None:
+        """One cycle's round trip; the link is closed if it fails (a lost server, a bad reply or
+        the server's ERROR, which ends the response)."""
+        try:
+            self._round_trip(link, run, draft)
+        except BaseException:
+            link.close(polite=False)
+            raise
+
+    def _round_trip(self, link: _Link, run: _Run, draft: DraftTree) -> None:
         answer = link.call(protocol.Draft(run.cycle, draft.tokens, draft.parents))
         if not isinstance(answer, protocol.Verified) or answer.cycle != run.cycle:
-            raise ConnectionError(f"unexpected reply {type(answer).__name__}")
-        if answer.finish is Finish.NONE:  # checked before anything of the cycle is taken
-            self._check_rows(answer.rows, len(answer.accepted) + 1)
+            cycle = getattr(answer, "cycle", None)
+            raise ConnectionError(
+                f"expected VERIFIED for cycle {run.cycle}, got {type(answer).__name__}"
+                + (f" for cycle {cycle}" if cycle is not None else "")
+            )
+        # Checked before anything of the cycle is taken. The next token is the server's word
+        # (the client holds no full target to check it): only its range is checked.
+        self._check_tokens([*answer.accepted, answer.next_token])
+        if not _is_path(draft, answer.accepted):
+            raise ConnectionError(
+                f"the server accepted {answer.accepted}, not a path of the {len(draft.tokens)} "
+                "drafted tokens"
+            )
+        if answer.finish is Finish.NONE:
+            self._check_rows(answer.rows, len(answer.accepted) + 1, self.row_shapes)
         run.generated.extend([*answer.accepted, answer.next_token])
         run.drafted += len(draft.tokens)
         run.cycle += 1
@@ -476,11 +523,25 @@ class RemoteClient:
         n = len(proposal.tokens)
         return DraftTree(proposal.tokens, list(range(-1, n - 1)), [0.0] * n)
 
-    def _check_rows(self, rows: list[QTensor], n: int) -> None:
+    def _check_rows(
+        self, rows: list[QTensor], n: int, shapes: list[tuple[int, ...]] | None = None
+    ) -> None:
+        """`shapes`: each tensor's shape past its rows, as STARTED's were (None: not checked)."""
         want = self.split.expected_rows(self.tli)
         if len(rows) != want or any(r.rows != n for r in rows):
             raise ConnectionError(
                 f"the server sent {len(rows)} activation tensors, expected {want} of {n} rows"
+            )
+        got = [tuple(r.values.shape[1:]) for r in rows]
+        if shapes is not None and got != shapes:
+            raise ConnectionError(f"the server sent rows of shapes {got}, expected {shapes}")
+
+    def _check_tokens(self, tokens: list[int]) -> None:
+        vocab = self.target.shape.vocab_size
+        bad = [t for t in tokens if t >= vocab]
+        if bad:
+            raise ConnectionError(
+                f"the server sent token ids {bad[:5]} outside the vocabulary [0, {vocab})"
             )
 
     def _absorb(
