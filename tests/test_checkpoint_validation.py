@@ -163,12 +163,18 @@ CONFIG_CASES = {
 
 @pytest.mark.parametrize("case", CONFIG_CASES)
 def test_an_unreadable_config_is_refused(case, saved, drafter, llama_target, tmp_path):
-    damage, message = CONFIG_CASES[case]
+    _refused_then_repaired(CONFIG_CASES[case], CONFIG_NAME, saved, drafter, llama_target, tmp_path)
+
+
+def _refused_then_repaired(case, name, saved, drafter, llama_target, tmp_path):
+    """The damaged copy is refused by loading and by the header check, naming the folder; with
+    the file `name` restored it loads again."""
+    damage, message = case
     d = _damaged_copy(saved, tmp_path, damage)
     target = llama_target.shape
     for check in (lambda: load_drafter(d, target=target), lambda: check_drafter_dir(d, target)):
         assert str(d) in _refused(check, message, (ValueError, FileNotFoundError))
-    _repaired_loads(d, saved, CONFIG_NAME, target, drafter)
+    _repaired_loads(d, saved, name, target, drafter)
 
 
 def test_a_finite_factor_in_the_same_place_loads(saved, tmp_path):
@@ -222,12 +228,7 @@ WEIGHT_CASES = {
 
 @pytest.mark.parametrize("case", WEIGHT_CASES)
 def test_an_unloadable_weights_file_is_refused(case, saved, drafter, llama_target, tmp_path):
-    damage, message = WEIGHT_CASES[case]
-    d = _damaged_copy(saved, tmp_path, damage)
-    target = llama_target.shape
-    for check in (lambda: load_drafter(d, target=target), lambda: check_drafter_dir(d, target)):
-        assert str(d) in _refused(check, message, (ValueError, FileNotFoundError))
-    _repaired_loads(d, saved, WEIGHTS_NAME, target, drafter)
+    _refused_then_repaired(WEIGHT_CASES[case], WEIGHTS_NAME, saved, drafter, llama_target, tmp_path)
 
 
 @pytest.mark.parametrize(
