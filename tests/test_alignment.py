@@ -9,10 +9,12 @@ from conftest import make_drafter, make_hf_model
 
 from vllm_moa.decoding.sampling import SamplingParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.eagle3.model import Eagle3Drafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.presets import (
     TargetInfo,
+    make_eagle3_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
@@ -28,7 +30,7 @@ from vllm_moa.training.alignment import (
     topk_hits,
     window_mask,
 )
-from vllm_moa.training.config import TrainConfig
+from vllm_moa.training.config import Alignment, TrainConfig
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl, masked_smooth_l1
 from vllm_moa.training.methods import DraftForward
@@ -135,6 +137,7 @@ def _drafter(kind: str):
     module, make = {
         "eagle": (EagleDrafter, make_eagle_config),
         "griffin": (GriffinDrafter, make_griffin_config),
+        "eagle3": (Eagle3Drafter, make_eagle3_config),
         "independent": (IndependentDrafter, make_independent_config),
     }[kind]
     drafter = module(make(info, "small"))
@@ -150,7 +153,7 @@ def _chain(drafter, target, prefix: list[int], steps: int, forced: list[int]) ->
     return proposer.propose(prefix[-1], steps, SamplingParams(), None, forced=forced).logits
 
 
-@pytest.mark.parametrize("kind", ["eagle", "griffin", "independent", "moa", "moa_tli1"])
+@pytest.mark.parametrize("kind", ["eagle", "griffin", "eagle3", "independent", "moa", "moa_tli1"])
 def test_aligned_passes_are_the_inference_drafts(kind):
     """Pass n's logits at t are the n-th draft of a proposer whose cycle starts at t - n + 1
     (forced along the data's tokens), and pass n's mask at t says whether the data's tokens
@@ -185,14 +188,16 @@ def test_aligned_passes_are_the_inference_drafts(kind):
     assert masks_seen == {True, False}  # the example exercises both
 
 
-@pytest.mark.parametrize("kind", ["eagle", "griffin", "independent", "moa_tli1"])
+@pytest.mark.parametrize("kind", ["eagle", "griffin", "eagle3", "independent", "moa_tli1"])
 def test_align_steps_one_is_the_training_without_alignment(kind):
     """The trainer's loss at align_steps = 1 is exactly the unaligned formula, and the aligned
     path at one step gives the same number to the bit."""
     target, drafter = _target(), _drafter(kind)
     method = method_for(drafter, target, feature_noise=0.1)
     batch = collate([Example(SEQ, [F] * 4 + [T] * (len(SEQ) - 4), 4)])
-    cfg = TrainConfig(target="t", data=("d",), out="o", max_steps=1, refresh_min=2, refresh_max=4)
+    cfg = TrainConfig(
+        target="t", data=("d",), out="o", max_steps=1, refresh_min=2, refresh_max=4, align_steps=1
+    )
     target_out = target.forward_batch(batch.input_ids, method.hidden_layers)
     got = compute_loss(method, target, batch, target_out, cfg, torch.Generator().manual_seed(5), F)
 
@@ -214,3 +219,75 @@ def test_align_steps_one_is_the_training_without_alignment(kind):
     passes = method.aligned(batch, target_out, limits, None, gen, 1, 3)
     one = aligned_loss(passes, target_out.logits, batch.loss_mask, cfg.kl_weight, 1.0)
     assert one.loss.item() == expected.item() and one.kept == 1.0
+
+
+def test_topk_zero_trains_every_position_of_every_pass():
+    """k = 0 (EAGLE-3's training-time test): no top-k mask, pass n trains every position whose
+    cycle starts at or after position 0 (the first n - 1 positions have none)."""
+    logits = torch.randn(1, 6, VOCAB)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    hits = topk_hits(logits, ids, 0)
+    assert hits.tolist() == [[T, T, T, T, T, F]]
+    masks = chained_masks([hits, hits], ids.shape, ids.device)
+    assert [m[0].tolist() for m in masks] == [
+        [T] * 6,
+        [F, T, T, T, T, T],
+        [F, F, T, T, T, T],
+    ]
+    with pytest.raises(ValueError, match="align_topk must be >= 0"):
+        topk_hits(logits, ids, -1)
+
+
+def test_aligned_loss_decay_weights_pass_n_by_decay_to_the_n_minus_1():
+    gen = torch.Generator().manual_seed(1)
+    target = torch.randn(1, 5, 7, generator=gen)
+    outs = [DraftForward(torch.randn(1, 5, 7, generator=gen), []) for _ in range(3)]
+    mask = torch.ones(1, 5, dtype=torch.bool)
+    passes = [AlignedPass(o, mask) for o in outs]
+    got = aligned_loss(passes, target, mask, 1.0, 1.0, decay=0.8)
+    expected = sum(0.8**n * masked_kl(target, o.logits, mask) for n, o in enumerate(outs))
+    torch.testing.assert_close(got.loss, expected)
+    control = aligned_loss(passes, target, mask, 1.0, 1.0)  # decay 1: the plain sum
+    assert not torch.allclose(control.loss, expected)
+
+
+def test_eagle3_passes_keep_the_gradient_through_fed_features():
+    """EAGLE-3's training-time test back-propagates through the features a pass hands the next
+    (the authors' code never detaches them); HASS / GRIFFIN detach. Control: the same drafter
+    made to detach gets another gradient for pass 2."""
+    target = _target()
+    drafter = _drafter("eagle3").train()
+    method = method_for(drafter, target)
+    batch = collate([Example(SEQ, [True] * len(SEQ), 4)])
+    target_out = target.forward_batch(batch.input_ids, method.hidden_layers)
+    limits = torch.arange(len(SEQ))[None]
+
+    def pass2_grad():
+        drafter.zero_grad()
+        passes = method.aligned(batch, target_out, limits, None, None, 2, 0)
+        passes[1].forward.logits.logsumexp(-1).sum().backward()
+        return drafter.layer.mlp.down_proj.weight.grad.clone()
+
+    assert not type(drafter).DETACH_FED
+    through = pass2_grad()
+    drafter.DETACH_FED = True  # control
+    detached = pass2_grad()
+    assert not torch.allclose(through, detached)
+
+
+def test_kind_recipes_set_the_alignment_a_run_does():
+    """`train --method eagle3` runs EAGLE-3's training-time test unless told otherwise; the
+    other kinds train without alignment; flags override either."""
+    from vllm_moa.kinds import BY_NAME
+
+    def cfg(**kw):
+        return TrainConfig(target="t", data=("d",), out="o", max_steps=1, **kw)
+
+    eagle3 = BY_NAME["eagle3"].alignment
+    assert cfg(method="eagle3").alignment(eagle3) == Alignment(7, 0, 0.8)
+    assert cfg(method="eagle3", align_steps=1).alignment(eagle3).steps == 1
+    assert cfg(method="eagle3", align_topk=3).alignment(eagle3) == Alignment(7, 3, 0.8)
+    assert cfg().alignment(BY_NAME["moa"].alignment) == Alignment(1, 3, 1.0)
+    assert cfg(align_steps=3).alignment(None) == Alignment(3, 3, 1.0)
+    with pytest.raises(ValueError, match="align_decay must be in"):
+        cfg(align_decay=0.0)

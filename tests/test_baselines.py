@@ -1,4 +1,4 @@
-"""EAGLE, GRIFFIN and independent baselines: lossless decoding, incremental state, training
+"""EAGLE, GRIFFIN, EAGLE-3 and independent baselines: lossless decoding, incremental state, training
 alignment."""
 
 import functools
@@ -13,6 +13,9 @@ from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.method import EagleMethod
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle.proposer import EagleProposer
+from vllm_moa.drafters.eagle3.method import Eagle3Method
+from vllm_moa.drafters.eagle3.model import Eagle3Drafter
+from vllm_moa.drafters.eagle3.proposer import Eagle3Proposer
 from vllm_moa.drafters.griffin.method import GriffinMethod
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.griffin.proposer import GriffinProposer
@@ -21,6 +24,7 @@ from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.independent.proposer import IndependentProposer
 from vllm_moa.drafters.presets import (
     TargetInfo,
+    make_eagle3_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
@@ -33,9 +37,19 @@ from vllm_moa.training.losses import masked_kl
 
 VOCAB = 12  # small, so random drafts are often right and every acceptance path runs
 PROMPTS = [[1, 5, 3], [7] * 9, list(range(12)) * 2]
-KINDS = ["eagle", "griffin", "independent"]
-PROPOSERS = {"eagle": EagleProposer, "griffin": GriffinProposer, "independent": IndependentProposer}
-METHODS = {"eagle": EagleMethod, "griffin": GriffinMethod, "independent": IndependentMethod}
+KINDS = ["eagle", "griffin", "eagle3", "independent"]
+PROPOSERS = {
+    "eagle": EagleProposer,
+    "griffin": GriffinProposer,
+    "eagle3": Eagle3Proposer,
+    "independent": IndependentProposer,
+}
+METHODS = {
+    "eagle": EagleMethod,
+    "griffin": GriffinMethod,
+    "eagle3": Eagle3Method,
+    "independent": IndependentMethod,
+}
 
 
 @functools.cache
@@ -82,6 +96,10 @@ def _trained(kind):
         g = GriffinDrafter(make_griffin_config(info, "small"))
         g.init_weights(0)
         return _distil(GriffinMethod(g, target, 0.0), target)
+    if kind == "eagle3":
+        e = Eagle3Drafter(make_eagle3_config(info, "small"))
+        e.init_weights(0)
+        return _distil(Eagle3Method(e, target), target)
     d = IndependentDrafter(make_independent_config(info, "small"))
     d.init_weights(0)
     return _distil(IndependentMethod(d, target), target)

@@ -151,7 +151,7 @@ CONFIG_CASES = {
     "a_model": (
         _config(model_type="llama"),
         r"is not a vllm-moa drafter: its config.json has model_type 'llama' \(a model, not a "
-        r"drafter\?\), expected one of \['eagle_drafter', .*`vllm-moa convert-official`",
+        r"drafter\?\), expected one of \[.*'eagle_drafter', .*`vllm-moa convert-official`",
     ),
     "no_model_type": (_config(model_type=DELETE), r"has model_type None"),
     "another_kind": (  # the registry's kind for the name: its config has other keys

@@ -8,6 +8,7 @@ from tests.conftest import make_hf_model
 from vllm_moa.drafters.presets import (
     TargetInfo,
     make_config,
+    make_eagle3_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
@@ -27,7 +28,7 @@ def test_every_kind_is_trainable_and_named_once():
         assert kind.model_type == kind.load("config").MODEL_TYPE
 
 
-@pytest.mark.parametrize("name", ["moa", "eagle", "griffin", "independent"])
+@pytest.mark.parametrize("name", ["moa", "eagle", "griffin", "eagle3", "independent"])
 def test_each_kind_builds_its_proposer_and_training_method(name):
     target = HFTarget(make_hf_model())
     info = TargetInfo(target.shape, target.config.num_attention_heads)
@@ -35,6 +36,7 @@ def test_each_kind_builds_its_proposer_and_training_method(name):
         "moa": make_config,
         "eagle": make_eagle_config,
         "griffin": make_griffin_config,
+        "eagle3": make_eagle3_config,
         "independent": make_independent_config,
     }
     kind = BY_NAME[name]

@@ -22,11 +22,13 @@ from vllm_moa.checkpoint import save_drafter
 from vllm_moa.decoding import SamplingParams, SpeculativeEngine
 from vllm_moa.decoding.tree import TreeParams
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.eagle3.model import Eagle3Drafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.split import DeviceMoAProposer
 from vllm_moa.drafters.presets import (
     TargetInfo,
+    make_eagle3_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
@@ -162,6 +164,9 @@ def pair(tmp_path_factory) -> dict[str, Path]:
     griffin = GriffinDrafter(make_griffin_config(info, preset="small"))
     griffin.init_weights(7)
     paths["griffin"] = save_drafter(griffin, base / "griffin")
+    eagle3 = Eagle3Drafter(make_eagle3_config(info, preset="small"))
+    eagle3.init_weights(8)
+    paths["eagle3"] = save_drafter(eagle3, base / "eagle3")
     independent = IndependentDrafter(make_independent_config(info, preset="small"))
     independent.init_weights(6)
     paths["independent"] = save_drafter(independent, base / "independent")
@@ -226,6 +231,8 @@ PROMPT = [3, 17, 100, 5, 9, 200, 41, 7, 7, 12]
         ("moa1", TreeParams(3, 2, 6)),
         ("eagle", TreeParams(3, 2, 6)),
         ("griffin", None),
+        ("eagle3", None),
+        ("eagle3", TreeParams(3, 2, 6)),
         ("independent", None),
     ],
 )
@@ -508,7 +515,7 @@ def test_the_cli_serves_and_generates(pair, tiny_target_dir, tmp_path):
         server.wait(30)
 
 
-@pytest.mark.parametrize("kind", ["moa0", "moa1", "eagle", "griffin", "independent"])
+@pytest.mark.parametrize("kind", ["moa0", "moa1", "eagle", "griffin", "eagle3", "independent"])
 def test_forcing_a_drafters_own_choices_changes_nothing(pair, kind):
     """`propose(..., forced=F)`: with F the drafter's own first choices, the same drafts; with
     other tokens, they are taken as given; the proposer's state is untouched either way."""

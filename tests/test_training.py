@@ -267,6 +267,7 @@ def test_resume_after_sigkill_reproduces_the_losses(tmp_path, tiny_target_dir, o
         ("eagle", ()),
         ("independent", ()),
         ("griffin", ("--align-steps", "2", "--align-topk", "3")),
+        ("eagle3", ()),  # its recipe: the training-time test, 7 passes
         ("moa", ("--align-steps", "3")),
         ("eagle", ("--align-steps", "3", "--align-topk", "2")),
         ("independent", ("--align-steps", "2")),
@@ -307,8 +308,9 @@ def test_train_then_generate_each_method(tmp_path, tiny_target_dir, capsys, meth
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 3 and "eval_proxy_tau" in rows[-1]
     # Token alignment is recorded in the run's config and the drafter's, and logged.
-    aligned = "--align-steps" in extra
-    steps = int(extra[extra.index("--align-steps") + 1]) if aligned else 1
+    recipe = {"eagle3": 7}.get(method, 1)  # the kind's own alignment (kinds.py)
+    steps = int(extra[extra.index("--align-steps") + 1]) if "--align-steps" in extra else recipe
+    aligned = steps > 1
     recorded = json.loads((out / "train_config.json").read_text())
     assert recorded["method"] == method and recorded["align_steps"] == steps
     training = json.loads((out / "drafter" / "config.json").read_text()).get("training", {})

@@ -30,6 +30,9 @@ class DrafterKind:
     sizing: str  # drafters/presets.py's function: Config(target_info, preset, **options)
     options: tuple[str, ...] = ()  # `train` options the sizing takes beyond the preset
     label: str = ""  # how messages name the kind (default: its name)
+    # Token-aligned training the kind's recipe does where `train` is given none: (passes, top-k
+    # of their mask, 0 = none; per-pass loss decay), TrainConfig.alignment. None: off.
+    alignment: tuple[int, int, float] | None = None
 
     def load(self, part: str) -> Any:
         """The object one of the kind's parts names ("config", "module", "proposer", "method",
@@ -72,6 +75,18 @@ KINDS: tuple[DrafterKind, ...] = (
         split="vllm_moa.drafters.split:FinalFeature",
         sizing="vllm_moa.drafters.presets:make_griffin_config",
         label="GRIFFIN",
+    ),
+    DrafterKind(
+        name="eagle3",
+        model_type="eagle3_drafter",
+        config="vllm_moa.drafters.eagle3.config:Eagle3Config",
+        module="vllm_moa.drafters.eagle3.model:Eagle3Drafter",
+        proposer="vllm_moa.drafters.eagle3.proposer:Eagle3Proposer",
+        method="vllm_moa.drafters.eagle3.method:Eagle3Method",
+        split="vllm_moa.drafters.eagle3.split:Eagle3Split",
+        sizing="vllm_moa.drafters.presets:make_eagle3_config",
+        label="EAGLE-3",
+        alignment=(7, 0, 0.8),  # the training-time test: 7 steps, unmasked, weights 0.8^n
     ),
     DrafterKind(
         name="independent",

@@ -90,9 +90,9 @@ def run_name(method: str, cfg: TestbedConfig) -> str:
     name = method
     if method.startswith("moa") and cfg.moa_refresh != DEFAULT_MOA_REFRESH:
         name += f"_k{cfg.moa_refresh[0]}_{cfg.moa_refresh[1]}"
-    if cfg.align_steps > 1:
+    if cfg.align_steps is not None and cfg.align_steps > 1:
         name += f"_a{cfg.align_steps}"
-        if cfg.align_topk != TrainConfig.align_topk:
+        if cfg.align_topk is not None and cfg.align_topk != 3:
             name += f"t{cfg.align_topk}"
     if cfg.seed_of_drafters != cfg.seed:
         name += f"_s{cfg.seed_of_drafters}"

@@ -41,9 +41,10 @@ class TestbedConfig:
     drafter_seed: int | None = None
     # Token-aligned training (GRIFFIN; `vllm-moa train --align-steps/--align-topk`) of every
     # drafter of the run; aligned drafters are cached and reported as `<method>_a<steps>` (with
-    # `t<topk>` when topk is not the paper's 3), beside the unaligned ones.
-    align_steps: int = 1
-    align_topk: int = TrainConfig.align_topk
+    # `t<topk>` when topk is not the paper's 3), beside the unaligned ones. None: each kind's
+    # recipe (EAGLE-3's training-time test, none for the others).
+    align_steps: int | None = None
+    align_topk: int | None = None
 
     @property
     def seed_of_drafters(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_moa.drafters.eagle.config import EagleConfig
+from vllm_moa.drafters.eagle3.config import Eagle3Config, default_feature_layers
 from vllm_moa.drafters.griffin.config import GriffinConfig
 from vllm_moa.drafters.independent.config import IndependentConfig
 from vllm_moa.drafters.moa.config import MoAConfig
@@ -114,6 +115,17 @@ def make_griffin_config(target: TargetInfo, preset: str = "paper") -> GriffinCon
     14336 at E = 4096)."""
     fields = _eagle_fields(target, preset)
     return GriffinConfig(**fields, tgf_intermediate_size=fields["intermediate_size"])
+
+
+def make_eagle3_config(target: TargetInfo, preset: str = "paper") -> Eagle3Config:
+    """EAGLE's layer of the same preset (its attention reading 2E), fc over the inputs of the
+    target layers `default_feature_layers` picks, and an LM head over the whole vocabulary."""
+    fields = _eagle_fields(target, preset)
+    return Eagle3Config(
+        **fields,
+        feature_layers=default_feature_layers(target.shape.num_layers),
+        draft_vocab_size=target.shape.vocab_size,
+    )
 
 
 def make_independent_config(

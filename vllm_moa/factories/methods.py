@@ -65,11 +65,14 @@ def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
 def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Path:
     """The trained drafter, with the chain lengths MoA's bounded cross-attention was trained for
     (K ~ U[refresh_min, refresh_max]) and any token alignment recorded in its config.json."""
-    training: dict[str, int] = {}
+    training: dict[str, float] = {}
     if method.k_bounded:  # trained for chains of K ~ U[refresh_min, refresh_max]
         training = {"refresh_min": cfg.refresh_min, "refresh_max": cfg.refresh_max}
-    if cfg.align_steps > 1:
-        training |= {"align_steps": cfg.align_steps, "align_topk": cfg.align_topk}
+    align = cfg.alignment(kind_of(method.model).alignment)
+    if align.steps > 1:
+        training |= {"align_steps": align.steps, "align_topk": align.topk}
+        if align.decay != 1:
+            training |= {"align_decay": align.decay}
     return save_drafter(method.model, out, training=training or None)
 
 

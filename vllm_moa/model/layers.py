@@ -109,10 +109,14 @@ class Attention(nn.Module):
         rope_theta: float,
         over_layers: bool = False,
         rope_scaling: Mapping[str, Any] | None = None,
+        in_width: int | None = None,
     ) -> None:
         """`rope_scaling`: a target's RoPE scaling (model/rope.py's rope_scaling_of), None for
-        plain RoPE over `rope_theta`."""
+        plain RoPE over `rope_theta`. `in_width`: the width q, k and v are projected from when
+        it is not `width` (EAGLE-3's attention reads [embedding | feature], 2 * width); the
+        heads and the output stay at `width`."""
         super().__init__()
+        in_width = width if in_width is None else in_width
         self.over_layers = over_layers  # LSA: unmasked attention over a short layer axis
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -125,9 +129,9 @@ class Attention(nn.Module):
             # [D/2] float32 kept as its int32 bit pattern: `.to(dtype)` rounds floating buffers
             # (bf16 would move the frequencies) but only moves integer ones. Not in state_dict.
             self.register_buffer("rope_inv_freq_bits", inv_freq.view(torch.int32), persistent=False)
-        self.q_proj = nn.Linear(width, num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, num_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(in_width, num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_width, num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_width, num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * self.head_dim, width, bias=False)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:

@@ -41,11 +41,16 @@ def topk_hits(
     valid: torch.Tensor | None = None,  # [B, T] bool: positions that draft at all
 ) -> torch.Tensor:
     """[B, T] bool, the paper's m̄: the data's token at t+1 is among the top-k of the logits at
-    t. False at the last position (nothing follows) and where not `valid`."""
-    if k < 1:
-        raise ValueError(f"align_topk must be >= 1, got {k}")
-    top = logits[:, :-1].topk(min(k, logits.shape[-1]), dim=-1).indices  # [B, T-1, k]
-    hits = F.pad((top == input_ids[:, 1:, None]).any(-1), (0, 1), value=False)
+    t. False at the last position (nothing follows) and where not `valid`. k = 0: every draft
+    counts as right (no mask: EAGLE-3's training-time test trains every position of every pass)."""
+    if k < 0:
+        raise ValueError(f"align_topk must be >= 0, got {k}")
+    if k == 0:
+        hits = torch.ones(input_ids.shape, dtype=torch.bool, device=logits.device)
+        hits[:, -1] = False
+    else:
+        top = logits[:, :-1].topk(min(k, logits.shape[-1]), dim=-1).indices  # [B, T-1, k]
+        hits = F.pad((top == input_ids[:, 1:, None]).any(-1), (0, 1), value=False)
     return hits & valid if valid is not None else hits
 
 
@@ -102,10 +107,11 @@ def aligned_loss(
     loss_mask: torch.Tensor,  # [B, T] bool
     kl_weight: float,
     feature_weight: float,
+    decay: float = 1.0,
 ) -> AlignedLoss:
-    """sum_n L^(n), each pass's loss the mean over its masked positions (the paper's L^(n)).
-    A later pass whose mask is empty adds nothing (pass 1 always counts, as without
-    alignment)."""
+    """sum_n decay^(n-1) L^(n), each pass's loss the mean over its masked positions (the
+    GRIFFIN paper's L^(n); decay 1 is its sum, EAGLE-3 weights pass n by 0.8^(n-1)). A later
+    pass whose mask is empty adds nothing (pass 1 always counts, as without alignment)."""
     bases = [loss_mask if p.forward.valid is None else loss_mask & p.forward.valid for p in passes]
     masks = [b & p.mask for b, p in zip(bases, passes, strict=True)]
     counts = torch.stack([m.sum() for m in [*masks, *bases]]).tolist()  # device sync, once
@@ -118,7 +124,7 @@ def aligned_loss(
         kl = masked_kl(target_logits, p.forward.logits, mask)
         pairs = p.forward.features
         feature = sum(masked_smooth_l1(a, b, mask) for a, b in pairs) / max(1, len(pairs))
-        terms.append(kl_weight * kl + feature_weight * feature)
+        terms.append(decay**n * (kl_weight * kl + feature_weight * feature))
         kl_total += float(kl.detach())  # device sync
         feature_total += float(feature.detach()) if isinstance(feature, torch.Tensor) else 0.0
     loss = terms[0]

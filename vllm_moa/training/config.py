@@ -23,6 +23,16 @@ Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autoc
 
 
 @dataclass(frozen=True)
+class Alignment:
+    """Token-aligned training (training/alignment.py): `steps` passes (1 = off), the top-k of
+    their mask (0 = no mask), pass n's loss weighted decay^(n-1)."""
+
+    steps: int
+    topk: int
+    decay: float
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     target: str = field(metadata={"help": "target model directory (Hugging Face)"})
     data: tuple[str, ...] = field(
@@ -97,22 +107,31 @@ class TrainConfig:
         default=0.1,
         metadata={"help": "EAGLE: uniform noise U(-a/2, a/2) on input features, a = this"},
     )
-    align_steps: int = field(
-        default=1,
+    align_steps: int | None = field(
+        default=None,
         metadata={
             "min": 1,
-            "help": "token-aligned training (GRIFFIN, HASS): N forward passes, pass n feeding the "
-            "drafter its own predictions of pass n-1 as at inference, a position trained only "
-            "while the data's tokens of its cycle's earlier drafts were in the drafter's top-k "
-            "(docs/training.md); 1 = off (the paper: 3)",
+            "help": "token-aligned training (GRIFFIN, HASS; EAGLE-3's training-time test): N "
+            "forward passes, pass n feeding the drafter its own predictions of pass n-1 as at "
+            "inference, a position trained only while the data's tokens of its cycle's earlier "
+            "drafts were in the drafter's top-k (docs/training.md); 1 = off (the GRIFFIN paper: "
+            "3). Default: the method's recipe (EAGLE-3: 7, the others: 1)",
         },
     )
-    align_topk: int = field(
-        default=3,
+    align_topk: int | None = field(
+        default=None,
         metadata={
-            "min": 1,
+            "min": 0,
             "help": "k of --align-steps' mask: a draft is right when the data's token is among "
-            "its top-k (the paper's 3)",
+            "its top-k; 0 = no mask (every position trains, EAGLE-3's). Default: the method's "
+            "recipe (EAGLE-3: 0, the others: the GRIFFIN paper's 3)",
+        },
+    )
+    align_decay: float | None = field(
+        default=None,
+        metadata={
+            "help": "weight of --align-steps' pass n: this^(n-1). Default: the method's recipe "
+            "(EAGLE-3: 0.8, the others: 1)",
         },
     )
     save_every: int = field(
@@ -157,9 +176,15 @@ class TrainConfig:
         if self.method not in kind_names():
             raise ValueError(f"method must be one of {list(kind_names())}, got {self.method!r}")
         positive = ("max_steps", "batch_size", "grad_accum", "max_length", "log_every")
-        for name in (*positive, "align_steps", "align_topk"):
+        for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.align_steps is not None and self.align_steps < 1:
+            raise ValueError(f"align_steps must be >= 1, got {self.align_steps}")
+        if self.align_topk is not None and self.align_topk < 0:
+            raise ValueError(f"align_topk must be >= 0, got {self.align_topk}")
+        if self.align_decay is not None and not 0 < self.align_decay <= 1:
+            raise ValueError(f"align_decay must be in (0, 1], got {self.align_decay}")
         for name in ("save_every", "eval_every", "warmup_steps", "eval_examples", "tli"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -173,6 +198,23 @@ class TrainConfig:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         if not self.data:
             raise ValueError("give at least one data file")
+
+    def alignment(self, recipe: tuple[int, int, float] | None) -> Alignment:
+        """The token-aligned training this run does: the flags given, else the drafter kind's
+        recipe (`DrafterKind.alignment`), else off (top-k 3 and no decay when turned on)."""
+        steps, topk, decay = recipe or (1, 3, 1.0)
+        return Alignment(
+            steps=steps if self.align_steps is None else self.align_steps,
+            topk=topk if self.align_topk is None else self.align_topk,
+            decay=decay if self.align_decay is None else self.align_decay,
+        )
+
+    def with_alignment(self, recipe: tuple[int, int, float] | None) -> TrainConfig:
+        """This config with its alignment resolved (`alignment`), as the run records it."""
+        a = self.alignment(recipe)
+        return dataclasses.replace(
+            self, align_steps=a.steps, align_topk=a.topk, align_decay=a.decay
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 from vllm_moa.devices import training_autocast
 from vllm_moa.hf_target.adapter import HFTarget, TargetOutput
+from vllm_moa.kinds import kind_of
 from vllm_moa.training.alignment import aligned_loss
-from vllm_moa.training.config import TrainConfig
+from vllm_moa.training.config import Alignment, TrainConfig
 from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_examples
 from vllm_moa.training.distributed import DistContext
 from vllm_moa.training.evaluation import evaluate
@@ -44,6 +45,11 @@ class StepLoss:
     aligned: float | None = None  # --align-steps > 1: the fraction of positions the mask kept
 
 
+def alignment_of(method: DraftMethod, cfg: TrainConfig) -> Alignment:
+    """The run's token-aligned training: `train`'s flags, else the drafter kind's recipe."""
+    return cfg.alignment(kind_of(method.model).alignment)
+
+
 def compute_loss(
     method: DraftMethod,
     target: HFTarget,
@@ -61,11 +67,12 @@ def compute_loss(
     limits = limits.to(target.device)
     sa_from = limits if staircase else None
     mask = batch.loss_mask.to(target.device)
-    if cfg.align_steps > 1:  # token-aligned training (vllm_moa/training/alignment.py)
-        passes = method.aligned(
-            batch, target_out, limits, sa_from, gen, cfg.align_steps, cfg.align_topk
+    align = alignment_of(method, cfg)
+    if align.steps > 1:  # token-aligned training (vllm_moa/training/alignment.py)
+        passes = method.aligned(batch, target_out, limits, sa_from, gen, align.steps, align.topk)
+        a = aligned_loss(
+            passes, target_out.logits, mask, cfg.kl_weight, cfg.feature_weight, align.decay
         )
-        a = aligned_loss(passes, target_out.logits, mask, cfg.kl_weight, cfg.feature_weight)
         return StepLoss(a.loss, a.kl, a.feature, a.tokens, a.kept)
     out = method.forward(batch, target_out, limits, sa_from, gen)
     if out.valid is not None:
@@ -117,6 +124,9 @@ class Trainer:
         self.eval_examples: list[Example] = examples[len(examples) - held :]
         self.pad_id = tokenizer.pad_token_id or 0
         self.method = make_method(self.target)
+        # The run's token alignment resolved (the drafter kind's recipe where no flag was given),
+        # so train_config.json records what the run did.
+        self.cfg = cfg = cfg.with_alignment(kind_of(self.method.model).alignment)
         self._save = save
         self.method.model.to(self.dist.device)
         # Forward passes go through the (possibly DDP-wrapped) module so gradients sync.
@@ -255,7 +265,7 @@ class Trainer:
         self.method.model.train()
         staircase = cfg.sa_staircase and step <= cfg.max_steps // 2
         totals = {"loss": 0.0, "kl": 0.0, "feature": 0.0, "tokens": 0}
-        if cfg.align_steps > 1:
+        if alignment_of(self.method, cfg).steps > 1:
             totals["aligned"] = 0.0
         autocast = self._autocast()
         for micro in range(cfg.grad_accum):

@@ -23,16 +23,16 @@ class EagleMethod(Method[EagleDrafter]):
 
     def __init__(self, drafter: EagleDrafter, target: HFTarget, feature_noise: float = 0.0) -> None:
         super().__init__(drafter, target, feature_noise)
-        self.hidden_layers: tuple[int, ...] = (target.shape.num_layers,)
+        self.hidden_layers: tuple[int, ...] = drafter.feature_layers()
 
     def _inputs(
         self, batch: Batch, target_out: TargetOutput, gen: torch.Generator | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(embeddings of x_{m+1} [B, T-1, E], input features f_m (+ noise) [B, T-1, E], the
-        target's final states f [B, T, E])."""
+        features f of every position [B, T, E], the feature loss's truth)."""
         target = self.target
         dtype = self.drafter.fc.weight.dtype
-        truth = target_out.hidden_states[target.shape.num_layers]  # [B, T, E]
+        truth = self.drafter.target_features(target_out.hidden_states)  # [B, T, E]
         inputs = truth[:, :-1].to(dtype)  # input m holds f_m, predicts f_{m+1}
         if gen is not None and self.noise:  # uniform feature noise U(-a/2, a/2), as EAGLE
             noise = (torch.rand(inputs.shape, generator=gen) - 0.5) * self.noise
@@ -49,9 +49,17 @@ class EagleMethod(Method[EagleDrafter]):
         predicted = final if feature is state else torch.cat([head, feature], dim=1)
         valid = torch.ones(truth.shape[:2], dtype=torch.bool, device=final.device)
         valid[:, 0] = False
-        return DraftForward(
-            self.target.lm_head(final.to(self.target.dtype)).float(), [(predicted, truth)], valid
-        )
+        logits = self.drafter.logits(final, self._target_head).float()
+        return DraftForward(logits, self._feature_pairs(predicted, truth), valid)
+
+    def _target_head(self, states: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(states.to(self.target.dtype))
+
+    def _feature_pairs(
+        self, predicted: torch.Tensor, truth: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The feature loss's (predicted, true) pairs [B, T, E]: EAGLE regresses f_{i+1}."""
+        return [(predicted, truth)]
 
     def forward(
         self,

@@ -3,6 +3,7 @@ layer predicts the next feature."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import ClassVar
 
 import torch
@@ -14,18 +15,44 @@ from vllm_moa.model.masks import aligned_pass_mask, causal_mask
 
 
 class EagleDrafter(nn.Module):
-    """Subclasses (GRIFFIN) change the fusion (`fuse`), the layer (`make_layer`) and what the
-    layer's output holds (`heads`); the forward, the proposer and the training method are
-    written against these three."""
+    """Subclasses change the fusion (`fuse`), the layer (`make_layer`), what the layer's output
+    holds (`heads`; GRIFFIN), which target states the drafter reads (`feature_layers`,
+    `target_features`) and the LM head (`logits`; EAGLE-3); the forward, the proposer and the
+    training method are written against these."""
 
     FC_BIAS: ClassVar[bool] = False  # EAGLE-1's fc has none (vLLM's EAGLE loader neither)
+    # Whether token-aligned training passes a pass's predicted features to the next one
+    # detached (HASS, GRIFFIN) or with their gradient (EAGLE-3's training-time test).
+    DETACH_FED: ClassVar[bool] = True
 
     def __init__(self, config: TokenLayerConfig) -> None:
         super().__init__()
         self.config = config
         e = config.target_hidden_size
-        self.fc = nn.Linear(2 * e, e, bias=self.FC_BIAS)
+        self.fc = nn.Linear(self.fc_inputs(config) * e, e, bias=self.FC_BIAS)
         self.layer = self.make_layer(config)
+
+    @staticmethod
+    def fc_inputs(config: TokenLayerConfig) -> int:
+        """How many E-wide vectors `fc` reads: EAGLE's [token embedding | feature]."""
+        return 2
+
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target hidden states (HF indexing: l < L the input of layer l, L the final,
+        normalised state) the drafter reads at verified positions. EAGLE: the final one."""
+        return (self.config.target_num_layers,)
+
+    def target_features(self, hidden_states: Mapping[int, torch.Tensor]) -> torch.Tensor:
+        """The target's states at verified positions ({layer: [..., T, E]}, `feature_layers`)
+        -> the features f the layer input fuses, [..., T, E]. EAGLE: the final state as is."""
+        return hidden_states[self.config.target_num_layers]
+
+    def logits(
+        self, states: torch.Tensor, target_head: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """The next-token logits over the target's vocabulary [..., V] of the states the LM
+        head reads (`heads`' first). EAGLE: the target's LM head, without a final norm."""
+        return target_head(states)
 
     @staticmethod
     def make_layer(config: TokenLayerConfig) -> DecoderBlock:
@@ -82,6 +109,7 @@ class EagleDrafter(nn.Module):
                 out = self.layer(x, positions, torch.cat(keys, 2), torch.cat(values, 2), mask)
             outs.append(out)
             if j + 1 < passes:
-                fed = self.heads(out)[1].detach()
+                fed = self.heads(out)[1]
+                fed = fed.detach() if self.DETACH_FED else fed
                 inputs = torch.cat([features[:, :1], fed[:, :-1].to(features.dtype)], dim=1)
         return outs[0] if passes == 1 else torch.cat(outs, dim=0)

@@ -25,10 +25,10 @@ class EagleProposer:
         drafter.config.check_target(target.shape)
         self.drafter = drafter.eval()
         self.target = target
-        self.hidden_layers: tuple[int, ...] = (target.shape.num_layers,)
+        self.hidden_layers: tuple[int, ...] = drafter.feature_layers()
         self.cache = KVCache(1)
         self.tokens: list[int] = []
-        self.features = torch.empty(0)  # [p, E]: the target's final hidden states
+        self.features = torch.empty(0)  # [p, E]: the drafter's features of the target's states
         self._last_token: int | None = None
 
     @property
@@ -38,8 +38,21 @@ class EagleProposer:
     def start(self, prompt_ids: list[int], prefill: TargetOutput) -> None:
         self.cache.reset()
         self.tokens = list(prompt_ids)
-        self.features = prefill.hidden_states[self.target.shape.num_layers]
+        self.features = self._features(prefill)
         self._last_token = None
+
+    @torch.no_grad()
+    def _features(self, verified: TargetOutput) -> torch.Tensor:
+        """[n, E]: the features of verified positions (`EagleDrafter.target_features`)."""
+        return self.drafter.target_features(verified.hidden_states)
+
+    def _target_head(self, states: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_logits(states.to(self.target.dtype))
+
+    @torch.no_grad()
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        """[..., V] logits of LM-head states (`EagleDrafter.logits`)."""
+        return self.drafter.logits(states, self._target_head)
 
     @torch.no_grad()
     def _step(
@@ -95,7 +108,7 @@ class EagleProposer:
             state, predicted = self._step(at + i, [token], predicted[None])
             states.append(state)
         self.cache.crop(max(0, len(self.tokens) - 1))
-        return self.target.lm_logits(torch.stack(states).to(self.target.dtype))
+        return self.logits(torch.stack(states))
 
     def _predict(self, pending: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The heads [E] (LM-head state, predicted feature) at the last pending position: the
@@ -121,7 +134,7 @@ class EagleProposer:
         drafts: list[int] = []
         logits, probs = [], []
         for i in range(num_tokens):
-            row = self.target.lm_logits(state[None].to(self.target.dtype))[0]
+            row = self.logits(state[None])[0]
             token, dist = draft_token(row, i, forced, params, gen)
             drafts.append(token)
             logits.append(row)
@@ -145,16 +158,14 @@ class EagleProposer:
     def accept(self, accepted: list[int], verified: TargetOutput) -> None:
         if self._last_token is None:
             raise RuntimeError("accept() called without a preceding propose()")
-        new = verified.hidden_states[self.target.shape.num_layers]
-        self.features = torch.cat([self.features, new])
+        self.features = torch.cat([self.features, self._features(verified)])
         self.tokens.extend([self._last_token, *accepted])
         self._last_token = None
 
     def catch_up(self, tokens: list[int], verified: TargetOutput) -> None:
         """Plainly decoded tokens and their features; the next draft step runs them."""
         check_catch_up(self._last_token, tokens, verified)
-        new = verified.hidden_states[self.target.shape.num_layers]
-        self.features = torch.cat([self.features, new])
+        self.features = torch.cat([self.features, self._features(verified)])
         self.tokens.extend(tokens)
 
 
@@ -184,7 +195,7 @@ class EagleTreeDrafter(TreeSearch):
             first, seq[first + 1 : self.p + 1], prop.features[first : self.p]
         )
         self.kv = NodeKV({0: prop.cache.get(0)})
-        return prop.target.lm_logits(state[None].to(prop.target.dtype))[0]
+        return prop.logits(state[None])[0]
 
     def expand(self, frontier: list[int]) -> torch.Tensor:
         prop, target, p = self.prop, self.prop.target, self.p
@@ -199,7 +210,7 @@ class EagleTreeDrafter(TreeSearch):
         states, features = prop.drafter.heads(layer(x, positions, k, v, allowed)[0])  # [f, E]
         for r, c in enumerate(frontier):
             self.features[c] = features[r]
-        return target.lm_logits(states.to(target.dtype))
+        return prop.logits(states)
 
     def _parent_feature(self, candidate: int) -> torch.Tensor:
         parent = self.parent[candidate]
