@@ -128,6 +128,18 @@ def eagle_drafter(moa_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def eagle3_drafter(moa_pair) -> Path:
+    """An EAGLE-3 drafter trained briefly (its training-time test) against the test target."""
+    from vllm_moa.tiny import stdlib_sources
+
+    run = moa_pair["target"].parent / "eagle3"
+    if not (run / ".complete").exists():
+        train_briefly(moa_pair["target"], run, stdlib_sources(400_000), method="eagle3")
+        (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+    return run / "drafter"
+
+
+@pytest.fixture(scope="session")
 def random_drafter(moa_pair, tmp_path_factory) -> Path:
     """A MoA drafter of random weights for the test target: it (almost) never matches."""
     from vllm_moa.checkpoint import save_drafter

@@ -1,6 +1,7 @@
-"""Our EAGLE baseline, exported to vLLM's EAGLE format, served by vLLM's own `eagle` method:
-the same outputs and the same accepted tokens per draft position as our standalone engine.
-This is what makes benchmarks/throughput.py's MoA-vs-vLLM-EAGLE comparison fair."""
+"""Our EAGLE and EAGLE-3 baselines, exported to vLLM's formats, served by vLLM's own `eagle` and
+`eagle3` methods: the same outputs and the same accepted tokens per draft position as our
+standalone engine. This is what makes benchmarks/throughput.py's MoA-vs-vLLM-EAGLE comparison
+fair."""
 
 from __future__ import annotations
 
@@ -13,18 +14,21 @@ from tests.vllm_integration.test_vllm_offline import PROMPTS
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
-def test_exported_eagle_in_vllm_equals_standalone(moa_pair, eagle_drafter, tmp_path):
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_exported_eagle_in_vllm_equals_standalone(moa_pair, request, tmp_path, method):
     from vllm import SamplingParams
 
     from vllm_moa.checkpoint import load_drafter
-    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle, vllm_method_of
     from vllm_moa.decoding import SpeculativeEngine
     from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target.adapter import HFTarget
 
+    eagle_drafter = request.getfixturevalue(f"{method}_drafter")
+    assert vllm_method_of(eagle_drafter) == method
     k, max_tokens = 4, 32
     exported = export_vllm_eagle(eagle_drafter, moa_pair["target"], tmp_path / "vllm_eagle")
-    llm = make_llm(moa_pair["target"], exported, k=k, method="eagle")
+    llm = make_llm(moa_pair["target"], exported, k=k, method=method)
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

@@ -1,4 +1,5 @@
-"""Export an EAGLE drafter of ours to vLLM's EAGLE-1 checkpoint format.
+"""Export an EAGLE drafter of ours to vLLM's EAGLE-1 checkpoint format (and, through
+checkpoint/vllm_eagle3.py, an EAGLE-3 drafter to vLLM's `eagle3` format).
 
 vLLM (`--speculative-config '{"method": "eagle", "model": DIR}'`) loads a Llama-style config
 with one decoder layer (`EagleLlamaForCausalLM`: `fc` over [embedding | target hidden state], no
@@ -21,8 +22,10 @@ from vllm_moa.checkpoint.io import (
     load_config,
     load_drafter,
 )
+from vllm_moa.checkpoint.vllm_eagle3 import export_vllm_eagle3
 from vllm_moa.drafters.eagle.config import EagleConfig
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.eagle3.config import Eagle3Config
 from vllm_moa.drafters.griffin.config import GriffinConfig
 from vllm_moa.hf_target import load_target_info
 from vllm_moa.model.config import read_config_json
@@ -66,17 +69,29 @@ def _vllm_config(config: EagleConfig, target: dict[str, object], dtype: str) -> 
     }
 
 
+def vllm_method_of(drafter_dir: str | Path) -> str:
+    """The vLLM speculative method that serves the export of the drafter at `drafter_dir`."""
+    return (
+        "eagle3" if isinstance(load_config(drafter_dir_of(drafter_dir)), Eagle3Config) else "eagle"
+    )
+
+
 def export_vllm_eagle(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write `out_dir` (config.json + model.safetensors) that vLLM's `eagle` method loads."""
+    """Write `out_dir` (config.json + model.safetensors) that vLLM's `eagle` method loads, or
+    its `eagle3` method for an EAGLE-3 drafter (`vllm_method_of`; checkpoint/vllm_eagle3.py)."""
     drafter_dir, out = drafter_dir_of(drafter_dir), Path(out_dir)
     config = load_config(drafter_dir)
+    if isinstance(config, Eagle3Config):
+        target = read_config_json(Path(target_dir) / CONFIG_NAME)
+        config.check_target(load_target_info(target_dir).shape)
+        return export_vllm_eagle3(drafter_dir, config, target, out)
     if isinstance(config, GriffinConfig):
         raise ValueError(GRIFFIN_NOT_EXPORTABLE.format(path=drafter_dir))
     if not isinstance(config, EagleConfig):
         raise ValueError(
-            f"{drafter_dir} holds a {config.MODEL_TYPE} drafter; only EAGLE drafters "
-            "(`vllm-moa train --method eagle`) have a vLLM EAGLE format. MoA drafters are served "
-            'as they are: --speculative-config \'{"method": "moa", ...}\''
+            f"{drafter_dir} holds a {config.MODEL_TYPE} drafter; only EAGLE and EAGLE-3 "
+            "drafters (`vllm-moa train --method eagle` or `eagle3`) have a vLLM EAGLE format. "
+            'MoA drafters are served as they are: --speculative-config \'{"method": "moa", ...}\''
         )
     target = read_config_json(Path(target_dir) / CONFIG_NAME)
     config.check_target(load_target_info(target_dir).shape)

@@ -276,11 +276,12 @@ def convert(args: argparse.Namespace) -> int:
 
 
 def export_eagle(args: argparse.Namespace) -> int:
-    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle, vllm_method_of
 
     out = export_vllm_eagle(args.drafter, args.target, args.out)
-    spec = json.dumps({"method": "eagle", "model": str(out), "num_speculative_tokens": 4})
-    print(f"vLLM EAGLE checkpoint written to {out}")
+    method = vllm_method_of(args.drafter)
+    spec = json.dumps({"method": method, "model": str(out), "num_speculative_tokens": 4})
+    print(f"vLLM {method} checkpoint written to {out}")
     print(f"serve it with: vllm serve {args.target} --speculative-config '{spec}'")
     return 0
 

@@ -247,9 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.train)
 
     p = sub.add_parser(
-        "export-eagle", help="write an EAGLE drafter in vLLM's EAGLE format (method: eagle)"
+        "export-eagle",
+        help="write an EAGLE or EAGLE-3 drafter in vLLM's format (method: eagle or eagle3)",
     )
-    p.add_argument("--drafter", required=True, help="EAGLE drafter (or its `train --out` dir)")
+    p.add_argument(
+        "--drafter", required=True, help="EAGLE or EAGLE-3 drafter (or its `train --out` dir)"
+    )
     p.add_argument("--target", required=True, help="the target it was trained for")
     p.add_argument("--out", required=True, help="output directory for vLLM")
     p.set_defaults(func=commands.export_eagle)
