@@ -9,6 +9,7 @@ from torch import nn
 
 from benchmarks.testbed.presets import DEFAULT_MOA_REFRESH, TestbedConfig
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.eagle3.model import Eagle3Drafter
 from vllm_moa.drafters.griffin.model import GriffinDrafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.config import MoAConfig
@@ -16,6 +17,7 @@ from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.presets import (
     TargetInfo,
     make_config,
+    make_eagle3_config,
     make_eagle_config,
     make_griffin_config,
     make_independent_config,
@@ -32,7 +34,11 @@ SLIM_LSA_MLP = 32
 # On request: GRIFFIN's drafter (EAGLE + Token-Guided Fusion + Token-Enhanced Head), its layer's
 # and its TGF's MLPs sized together to the budget (at the cpu preset's E = 256 that leaves them
 # about 40% of EAGLE's MLP; see docs/training.md for the counts at the presets).
-EXTRA_METHODS = ("griffin",)
+# On request: EAGLE-3 (three target states, its own LM head, the training-time test) with
+# EAGLE's `small` layer, NOT at the budget: its LM head alone (E x V, 0.5M at the cpu preset's
+# E = 256, V = 2048) is half the budget, and fc (3E x E) and the 2E-wide q/k/v the rest, so at
+# the budget no MLP is left. Its parameter count is reported with its results.
+EXTRA_METHODS = ("griffin", "eagle3")
 
 
 def match_budget(build: Callable[[int], nn.Module], budget: int) -> nn.Module:
@@ -76,6 +82,7 @@ def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
         "independent": match_budget(
             lambda i: IndependentDrafter(indep.replace(intermediate_size=i)), budget
         ),
+        "eagle3": Eagle3Drafter(make_eagle3_config(info, "small")),
     }
     for d in drafters.values():
         d.init_weights(seed)  # type: ignore[operator]
