@@ -49,8 +49,10 @@ def test_testbed_ci_preset(tmp_path):
     methods = {*METHODS, *SLIM_METHODS, *EXTRA_METHODS}
     assert set(report["results"]) == methods | {"plain"}
     assert report["results"]["plain"]["target_heldout_loss"] > 0.0
-    params = [report["drafter_training"][m]["parameters"] for m in methods]
-    assert max(params) / min(params) < 1.02  # equal trainable parameter counts
+    # equal trainable parameter counts, but for EAGLE-3 (its own LM head: drafters.py)
+    params = [report["drafter_training"][m]["parameters"] for m in methods - {"eagle3"}]
+    assert max(params) / min(params) < 1.02
+    assert report["drafter_training"]["eagle3"]["parameters"] > 0
     for m in methods:
         for k in ("k4", "k6"):
             r = report["results"][m][k]
