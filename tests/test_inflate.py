@@ -13,9 +13,15 @@ from vllm_moa.checkpoint.inflate import inflate_drafter, inflate_target
 from vllm_moa.checkpoint.io import load_drafter
 from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.drafters.eagle.model import EagleDrafter
+from vllm_moa.drafters.eagle3.model import Eagle3Drafter
 from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
-from vllm_moa.drafters.presets import TargetInfo, make_eagle_config, make_independent_config
+from vllm_moa.drafters.presets import (
+    TargetInfo,
+    make_eagle3_config,
+    make_eagle_config,
+    make_independent_config,
+)
 from vllm_moa.hf_target import HFTarget
 
 WIDE = dict(hidden=256, intermediate=640, heads=8)  # from E=128, MLP 256, 4 heads of 32
@@ -51,13 +57,16 @@ def test_inflated_drafters_compute_the_same(tmp_path):
     drafters = {
         "moa": make_drafter(small_t, tli=1, seed=1),
         "eagle": EagleDrafter(make_eagle_config(info, "small")),
+        "eagle3": Eagle3Drafter(make_eagle3_config(info, "small")),
         "independent": IndependentDrafter(make_independent_config(info, "small")),
     }
     drafters["eagle"].init_weights(2)
+    drafters["eagle3"].init_weights(5, std=0.1)
     drafters["independent"].init_weights(3)
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        out_s, out_w = small_t.forward(ids[0], (3,)), wide_t.forward(ids[0], (3,))
+        layers = (1, 2, 3)
+        out_s, out_w = small_t.forward(ids[0], layers), wide_t.forward(ids[0], layers)
     emb_s, emb_w = small_t.embed(ids), wide_t.embed(ids)
     torch.testing.assert_close(out_w.layer_kv, out_s.layer_kv, atol=1e-5, rtol=1e-5)
     widening = inflate_target(tmp_path / "small", tmp_path / "wide2", **WIDE)
@@ -73,6 +82,18 @@ def test_inflated_drafters_compute_the_same(tmp_path):
             elif name == "eagle":
                 want = drafter(emb_s, out_s.hidden_states[3][None])
                 got = wide_d(emb_w, out_w.hidden_states[3][None])
+            elif name == "eagle3":  # the layer's output, and its own LM head's logits
+                feats_s = drafter.target_features(
+                    {k: v[None] for k, v in out_s.hidden_states.items()}
+                )
+                feats_w = wide_d.target_features(
+                    {k: v[None] for k, v in out_w.hidden_states.items()}
+                )
+                want, got = drafter(emb_s, feats_s), wide_d(emb_w, feats_w)
+                logits_w = wide_d.logits(got, lambda x: x)
+                torch.testing.assert_close(
+                    logits_w, drafter.logits(want, lambda x: x), atol=1e-4, rtol=1e-4
+                )
             else:
                 want, got = drafter(emb_s), wide_d(emb_w)
         assert got.shape[-1] == 256

@@ -14,8 +14,8 @@ unchanged) and keeps every logit:
   read); old head j of KV group g moves to g * (H' / Hkv) + j mod (H / Hkv), keeping its KV head;
 - new MLP channels have zero gate/up rows and down columns (silu(0) * 0 = 0).
 
-Drafters are widened only where the target's width forces it (SA/CA/EAGLE/independent blocks:
-E -> E', heads x E' / E to keep their head size); their MLPs keep their width, so a drafter
+Drafters are widened only where the target's width forces it (SA/CA/EAGLE/EAGLE-3/independent
+blocks: E -> E', heads x E' / E to keep their head size); their MLPs keep their width, so a drafter
 stays as small next to the target as it can (a width-E' block costs a quarter of a layer of a
 4-layer target whatever its MLP). MoA's LSA reads the unchanged K/V and stays as it is (its eps
 is kept apart: `lsa_rms_norm_eps`). Targets: Hugging Face llama, mistral, qwen2, qwen3 checkpoints.
@@ -36,6 +36,7 @@ from torch import nn
 
 from vllm_moa.checkpoint.io import load_drafter, save_drafter
 from vllm_moa.drafters.eagle.config import EagleConfig
+from vllm_moa.drafters.eagle3.config import Eagle3Config
 from vllm_moa.drafters.independent.config import IndependentConfig
 from vllm_moa.drafters.moa.config import MoAConfig
 
@@ -228,8 +229,8 @@ def _widen_state(
 
 
 def inflate_drafter(path: str | Path, out: str | Path, target: Widening) -> Path:
-    """Widen a drafter of ours (MoA, EAGLE or independent) built for the target `target`
-    widens; write it to `out`."""
+    """Widen a drafter of ours (MoA, EAGLE, EAGLE-3 or independent) built for the target
+    `target` widens; write it to `out`."""
     drafter = load_drafter(path)
     config = drafter.config
     e, e2 = target.hidden, target.new_hidden
@@ -250,25 +251,44 @@ def inflate_drafter(path: str | Path, out: str | Path, target: Widening) -> Path
             "Ekv2E.weight": _pad(state["Ekv2E.weight"], (e2, state["Ekv2E.weight"].shape[1])),
             "Ekv2E.bias": _pad(state["Ekv2E.bias"], (e2,)),
         }
-        new_config: MoAConfig | EagleConfig | IndependentConfig = dataclasses.replace(
-            config,
-            target_hidden_size=e2,
-            sa_num_heads=sa.new_heads,
-            sa_intermediate_size=sa.new_intermediate,
-            ca_num_heads=ca.new_heads,
-            ca_intermediate_size=ca.new_intermediate,
-            rms_norm_eps=config.rms_norm_eps * e / e2,
-            lsa_rms_norm_eps=config.lsa_rms_norm_eps or config.rms_norm_eps,
+        new_config: MoAConfig | EagleConfig | Eagle3Config | IndependentConfig = (
+            dataclasses.replace(
+                config,
+                target_hidden_size=e2,
+                sa_num_heads=sa.new_heads,
+                sa_intermediate_size=sa.new_intermediate,
+                ca_num_heads=ca.new_heads,
+                ca_intermediate_size=ca.new_intermediate,
+                rms_norm_eps=config.rms_norm_eps * e / e2,
+                lsa_rms_norm_eps=config.lsa_rms_norm_eps or config.rms_norm_eps,
+            )
         )
-    elif isinstance(config, (EagleConfig, IndependentConfig)):
+    elif isinstance(config, (EagleConfig, Eagle3Config, IndependentConfig)):
         w = _block_widening(
             target, config.num_heads, config.num_kv_heads, config.intermediate_size, "drafter"
         )
         fc = state.pop("fc.weight", None)
-        state = _widen_state(state, {"layer.": w, "layers.": w, "norm.": w})
-        if fc is not None:  # EAGLE: [E, 2E] over [token embedding | feature]
-            wide = torch.zeros(e2, 2 * e2)
-            wide[:e, :e], wide[:e, e2 : e2 + e] = fc[:, :e], fc[:, e:]
+        # EAGLE-3's q, k, v read [N(embedding) | N(feature)], 2E: each half widens as an E-wide
+        # input, the halves placed at 0 and E'.
+        two_wide = {
+            name: torch.cat([widen_tensor(name, half, w) for half in t.split(e, dim=1)], dim=1)
+            for name, t in state.items()
+            if isinstance(config, Eagle3Config)
+            and name.startswith("layer.self_attn.")
+            and name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))
+        }
+        state = (
+            _widen_state(
+                {k: v for k, v in state.items() if k not in two_wide},
+                {"layer.": w, "layers.": w, "norm.": w, "lm_head.": w},
+            )
+            | two_wide
+        )
+        if fc is not None:  # EAGLE: [E, 2E] over [token embedding | feature]; EAGLE-3: [E, nE]
+            n = fc.shape[1] // e  # over n target states
+            wide = torch.zeros(e2, n * e2)
+            for j in range(n):
+                wide[:e, j * e2 : j * e2 + e] = fc[:, j * e : (j + 1) * e]
             state["fc.weight"] = wide
         new_config = dataclasses.replace(
             config,
