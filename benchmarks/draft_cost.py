@@ -218,14 +218,11 @@ def main() -> None:
     if moa is None or eagle is None:
         random_moa, random_eagle = random_drafters(args.target, work / "random")
         moa, eagle = moa or random_moa, eagle or random_eagle
+    eagle_method, eagle_model = vllm_eagle_dir(eagle, target)  # the long view: its max length
     specs: dict[str, dict[str, Any] | None] = {
         "plain": None,
         "moa": {"method": "moa", "model": moa, "num_speculative_tokens": args.k},
-        "eagle": {
-            "method": "eagle",
-            "model": vllm_eagle_dir(eagle, target),  # the long view: its maximum length
-            "num_speculative_tokens": args.k,
-        },
+        "eagle": {"method": eagle_method, "model": eagle_model, "num_speculative_tokens": args.k},
     }
     vocab = int(json.loads((Path(args.target) / "config.json").read_text())["vocab_size"])
     specs["moa_eager"] = specs["moa"]  # MoA with its proposer not compiled

@@ -118,7 +118,12 @@ def _draft_cost(data: dict[str, Any]) -> Iterator[list[Any]]:
     rows = data["results"]
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
     by = {(r["method"], r["prompt_tokens"]): r for r in rows}
-    names = {"moa": "MoA", "moa_eager": "MoA eager", "eagle": "vLLM EAGLE"}
+    names = {
+        "moa": "MoA",
+        "moa_eager": "MoA eager",
+        "eagle": "vLLM EAGLE",
+        "eagle3": "vLLM EAGLE-3",
+    }
     wall = "wall ms/token: " + " / ".join(["plain", *(names.get(m, m) for m in methods)])
     paired = "eagle" in methods  # the MoA / EAGLE column only where EAGLE ran
     ratio_column = ["MoA / EAGLE (median of rounds)"] if paired else []
@@ -161,6 +166,7 @@ TESTBED_NAMES = {
     "eagle": "EAGLE",
     "independent": "independent",
     "griffin": "GRIFFIN drafter (TGF)",
+    "eagle3": "EAGLE-3",
 }
 SEED = re.compile(r"^(?P<method>.+)_s(?P<seed>\d+)$")
 

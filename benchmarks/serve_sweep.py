@@ -244,7 +244,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--moa", nargs="*", default=[], help="MoA drafter(s): one server each")
-    p.add_argument("--eagle", default=None, help="EAGLE drafter (ours or vLLM-format)")
+    p.add_argument("--eagle", default=None, help="EAGLE or EAGLE-3 drafter (ours or vLLM-format)")
     p.add_argument("--prompts", required=True, help="e.g. ../shared/data/HumanEval.jsonl.gz")
     add_out_argument(p, "serve_sweep")
     p.add_argument("--k", type=int, default=4)
@@ -288,11 +288,8 @@ def main() -> None:
                 "moa_adaptive": adaptive,
             }  # fmt: skip
     if args.eagle:
-        methods["eagle"] = {
-            "method": "eagle",
-            "model": vllm_eagle_dir(args.eagle, args.target),
-            "num_speculative_tokens": args.k,
-        }
+        method, model = vllm_eagle_dir(args.eagle, args.target)
+        methods[method] = {"method": method, "model": model, "num_speculative_tokens": args.k}
     if args.interleave:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # every server up at once
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {}

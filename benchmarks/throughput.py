@@ -1,21 +1,21 @@
 """vLLM serving throughput: plain decoding vs MoA (and vLLM's own EAGLE) across batch sizes.
 
     python -m benchmarks.throughput --target DIR --drafter DIR --prompts HumanEval.jsonl.gz \
-        [--eagle EAGLE_DIR] --out benchmarks/results/throughput/throughput.json
+        [--eagle EAGLE_DIR [EAGLE3_DIR]] --out benchmarks/results/throughput/throughput.json
 
-`--eagle` takes an EAGLE drafter from our pipeline (`vllm-moa train --method eagle`; exported
-to vLLM's EAGLE format on the fly) or an already exported one, served by vLLM's built-in `eagle`
-method on the same target. One in-process vLLM engine per method (plain, then MoA and EAGLE
-with each K), all alive at once. For each
-batch size b, rounds of b requests submitted together (closed loop), greedy, `--max-tokens` new
-tokens each (ignore_eos: every method generates the same tokens), the target compiled as vLLM
-runs it by default (`--enforce-eager` for eager), rounds alternating between
-the engines so drift in machine speed hits all alike. Reported per (method, b): median output
-tokens/s over rounds, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts,
-per-position rates) from vLLM's own spec-decode counters (process-wide, so read around each
-round of each engine); speedup = ratio of medians. MoA runs twice by default (`--adaptive
-both`): with the speculation length chosen per step (`moa_k4_adaptive`, the default a user gets)
-and with the fixed K (`moa_k4`, VLLM_MOA_ADAPTIVE=0).
+`--eagle` takes EAGLE and EAGLE-3 drafters from our pipeline (`vllm-moa train --method eagle` or
+`eagle3`; exported to vLLM's format on the fly) or already exported ones, each served by vLLM's
+built-in `eagle` or `eagle3` method on the same target (arms `eagle_k4`, `eagle3_k4`). One
+in-process vLLM engine per method (plain, then MoA and EAGLE with each K), all alive at once. For
+each batch size b, rounds of b requests submitted together (closed loop), greedy, `--max-tokens`
+new tokens each (ignore_eos: every method generates the same tokens), the target compiled as
+vLLM runs it by default (`--enforce-eager` for eager), rounds alternating between the engines so
+drift in machine speed hits all alike. Reported per (method, b): median output tokens/s over
+rounds, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts, per-position
+rates) from vLLM's own spec-decode counters (process-wide, so read around each round of each
+engine); speedup = ratio of medians. MoA runs twice by default (`--adaptive both`): with the
+speculation length chosen per step (`moa_k4_adaptive`, the default a user gets) and with the
+fixed K (`moa_k4`, VLLM_MOA_ADAPTIVE=0).
 Writes a JSON (config, git SHA, machine, figures) and a PNG beside it.
 """
 
@@ -210,15 +210,18 @@ def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     plt.close(fig)
 
 
-def vllm_eagle_dir(path: str, target: str) -> str:
-    """An EAGLE drafter of ours is exported to vLLM's format (in a temporary directory); an
-    already exported one is used as it is."""
-    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+def vllm_eagle_dir(path: str, target: str) -> tuple[str, str]:
+    """(vLLM's method, the directory it loads): an EAGLE or EAGLE-3 drafter of ours is exported
+    to vLLM's format (in a temporary directory); an already exported one is used as it is (an
+    EAGLE-3 export names its `draft_vocab_size`)."""
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle, vllm_method_of
 
     config = Path(path) / "config.json"
-    if config.is_file() and json.loads(config.read_text()).get("model_type") == "llama":
-        return path
-    return str(export_vllm_eagle(path, target, tempfile.mkdtemp(prefix="vllm_eagle_")))
+    data = json.loads(config.read_text()) if config.is_file() else {}
+    if data.get("model_type") == "llama":
+        return ("eagle3" if "draft_vocab_size" in data else "eagle"), path
+    exported = export_vllm_eagle(path, target, tempfile.mkdtemp(prefix="vllm_eagle_"))
+    return vllm_method_of(path), str(exported)
 
 
 def main() -> None:
@@ -230,7 +233,10 @@ def main() -> None:
     p.add_argument(
         "--drafter", required=True, nargs="+", help="MoA drafter(s); several: one engine each"
     )
-    p.add_argument("--eagle", default=None, help="EAGLE drafter (ours or vLLM-format) to add")
+    p.add_argument(
+        "--eagle", nargs="+", default=None,
+        help="EAGLE and/or EAGLE-3 drafters (ours or vLLM-format) to add, one engine each",
+    )  # fmt: skip
     p.add_argument("--ngram", action="store_true", help="add vLLM's ngram (prompt lookup)")
     p.add_argument(
         "--enforce-eager", action="store_true", help="eager target (default: compiled, as served)"
@@ -261,8 +267,9 @@ def main() -> None:
         names = [Path(d).name for d in args.drafter]
         labels = [n if n.startswith("moa") else f"moa_{n}" for n in names]
         methods = {label: ("moa", d) for label, d in zip(labels, args.drafter, strict=True)}
-    if args.eagle:
-        methods["eagle"] = ("eagle", vllm_eagle_dir(args.eagle, args.target))
+    for path in args.eagle or []:
+        method, model = vllm_eagle_dir(path, args.target)
+        methods[method] = (method, model)
     eager = args.enforce_eager
     engines = {"plain": make_engine(args.target, None, top, args.dtype, eager)}
     modes = {"both": [False, True], "on": [True], "off": [False]}[args.adaptive]
