@@ -86,7 +86,7 @@ def test_export_cli_accepts_train_out_dir_and_refuses_moa(pair, tmp_path, capsys
     assert main(["export-eagle", "--drafter", str(base / "moa"), "--target",
                  str(base / "target"), "--out", str(tmp_path / "m")]) == 1  # fmt: skip
     err = capsys.readouterr().err
-    assert "only EAGLE drafters" in err and '"method": "moa"' in err
+    assert "only EAGLE and EAGLE-3" in err and '"method": "moa"' in err
 
 
 def test_export_refuses_griffin_saying_why(pair, tmp_path):
