@@ -115,28 +115,27 @@ def moa_pair() -> dict[str, Path]:
     return build_pair(default_cache_dir() / pair_key())
 
 
-@pytest.fixture(scope="session")
-def eagle_drafter(moa_pair) -> Path:
-    """An EAGLE drafter trained briefly against the test target (our format), cached beside it."""
+def _baseline(moa_pair, method: str) -> Path:
+    """A drafter of `method` trained briefly against the test target, cached beside it."""
     from vllm_moa.tiny import stdlib_sources
 
-    run = moa_pair["target"].parent / "eagle"
+    run = moa_pair["target"].parent / method
     if not (run / ".complete").exists():
-        train_briefly(moa_pair["target"], run, stdlib_sources(400_000), method="eagle")
+        train_briefly(moa_pair["target"], run, stdlib_sources(400_000), method=method)
         (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     return run / "drafter"
+
+
+@pytest.fixture(scope="session")
+def eagle_drafter(moa_pair) -> Path:
+    """An EAGLE drafter trained briefly against the test target (our format)."""
+    return _baseline(moa_pair, "eagle")
 
 
 @pytest.fixture(scope="session")
 def eagle3_drafter(moa_pair) -> Path:
     """An EAGLE-3 drafter trained briefly (its training-time test) against the test target."""
-    from vllm_moa.tiny import stdlib_sources
-
-    run = moa_pair["target"].parent / "eagle3"
-    if not (run / ".complete").exists():
-        train_briefly(moa_pair["target"], run, stdlib_sources(400_000), method="eagle3")
-        (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
-    return run / "drafter"
+    return _baseline(moa_pair, "eagle3")
 
 
 @pytest.fixture(scope="session")

@@ -1,11 +1,18 @@
-"""Export an EAGLE drafter of ours to vLLM's EAGLE-1 checkpoint format (and, through
-checkpoint/vllm_eagle3.py, an EAGLE-3 drafter to vLLM's `eagle3` format).
+"""Export an EAGLE drafter of ours to vLLM's EAGLE-1 checkpoint format, and an EAGLE-3 drafter
+to the layout the EAGLE-3 authors release and vLLM's `eagle3` method loads.
 
 vLLM (`--speculative-config '{"method": "eagle", "model": DIR}'`) loads a Llama-style config
 with one decoder layer (`EagleLlamaForCausalLM`: `fc` over [embedding | target hidden state], no
 bias; layer 0 without input norm; output read by the LM head without a final norm) and weights
 named `fc.weight`, `layers.0.self_attn.q_proj.weight`, ... Embeddings and LM head are left out,
 so vLLM shares the target's, as our EAGLE baseline does.
+
+EAGLE-3 (SafeAILab/EAGLE's training output, read by vLLM 0.32's llama_eagle3.py): the same Llama
+config plus `draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` and
+`num_aux_hidden_states` (so vLLM reads our feature layers whatever its default), and weights
+`fc.weight` (nE -> E), `midlayer.<llama layer names>` (with `hidden_norm`; q, k, v read 2E),
+`norm.weight` and `lm_head.weight`; no embeddings (vLLM shares the target's) and no `d2t` (the
+draft vocabulary is the target's).
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ from vllm_moa.checkpoint.io import (
     load_config,
     load_drafter,
 )
-from vllm_moa.checkpoint.vllm_eagle3 import export_vllm_eagle3
 from vllm_moa.drafters.eagle.config import EagleConfig
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle3.config import Eagle3Config
@@ -43,7 +49,9 @@ GRIFFIN_NOT_EXPORTABLE = (
 )
 
 
-def _vllm_config(config: EagleConfig, target: dict[str, object], dtype: str) -> dict[str, object]:
+def _vllm_config(
+    config: EagleConfig | Eagle3Config, target: dict[str, object], dtype: str
+) -> dict[str, object]:
     head_dim = config.target_hidden_size // config.num_heads
     return {
         "architectures": ["LlamaForCausalLM"],  # vLLM's EAGLEConfig prefixes "Eagle"
@@ -76,18 +84,23 @@ def vllm_method_of(drafter_dir: str | Path) -> str:
     )
 
 
+def _eagle3_keys(config: Eagle3Config) -> dict[str, object]:
+    return {
+        "target_hidden_size": config.target_hidden_size,
+        "draft_vocab_size": config.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+        "num_aux_hidden_states": len(config.feature_layers),
+    }
+
+
 def export_vllm_eagle(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path) -> Path:
     """Write `out_dir` (config.json + model.safetensors) that vLLM's `eagle` method loads, or
-    its `eagle3` method for an EAGLE-3 drafter (`vllm_method_of`; checkpoint/vllm_eagle3.py)."""
+    its `eagle3` method for an EAGLE-3 drafter (`vllm_method_of`)."""
     drafter_dir, out = drafter_dir_of(drafter_dir), Path(out_dir)
     config = load_config(drafter_dir)
-    if isinstance(config, Eagle3Config):
-        target = read_config_json(Path(target_dir) / CONFIG_NAME)
-        config.check_target(load_target_info(target_dir).shape)
-        return export_vllm_eagle3(drafter_dir, config, target, out)
     if isinstance(config, GriffinConfig):
         raise ValueError(GRIFFIN_NOT_EXPORTABLE.format(path=drafter_dir))
-    if not isinstance(config, EagleConfig):
+    if not isinstance(config, (EagleConfig, Eagle3Config)):
         raise ValueError(
             f"{drafter_dir} holds a {config.MODEL_TYPE} drafter; only EAGLE and EAGLE-3 "
             "drafters (`vllm-moa train --method eagle` or `eagle3`) have a vLLM EAGLE format. "
@@ -97,14 +110,18 @@ def export_vllm_eagle(drafter_dir: str | Path, target_dir: str | Path, out_dir: 
     config.check_target(load_target_info(target_dir).shape)
     drafter = load_drafter(drafter_dir)
     assert isinstance(drafter, EagleDrafter)
-    # Ours: fc.weight, layer.<llama names>; vLLM's: fc.weight, layers.0.<llama names>.
+    # Ours: fc.weight, layer.<llama names> (EAGLE-3: also norm, lm_head); vLLM's EAGLE:
+    # layers.0.<llama names>; EAGLE-3's release: midlayer.<llama names>.
+    layer = "midlayer." if isinstance(config, Eagle3Config) else "layers.0."
     tensors = {
-        (name if name.startswith("fc.") else "layers.0." + name.removeprefix("layer.")): t
+        (layer + name.removeprefix("layer.") if name.startswith("layer.") else name): t
         for name, t in drafter.state_dict().items()
     }
-    out.mkdir(parents=True, exist_ok=True)
     dtype = str(drafter.fc.weight.dtype).removeprefix("torch.")
     config_json = _vllm_config(config, target, dtype)
+    if isinstance(config, Eagle3Config):
+        config_json |= _eagle3_keys(config)
+    out.mkdir(parents=True, exist_ok=True)
     (out / CONFIG_NAME).write_text(json.dumps(config_json, indent=2) + "\n")
     save_file(
         {k: v.detach().contiguous() for k, v in tensors.items()},
