@@ -106,6 +106,10 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
                 out[f"{r['method']}@{r['prompt_tokens']}"] = _num(r["propose_ms_per_token"])
             if "propose_vs_eagle" in r:
                 out[f"moa/eagle@{r['prompt_tokens']}"] = _num(r["propose_vs_eagle"])
+    elif kind == "draft_profile":
+        for r in rows:
+            if "c" in r:
+                out[f"{r['arm']}/c"] = _num(r["c"])
     elif kind == "hsd":
         for r in rows:
             out[f"{'+'.join(map(short_level, r['levels'])) or 'plain'}"] = _num(r["vs_plain"])
@@ -247,6 +251,7 @@ MEASURES = {
     "remote_capacity": "server capacity with 1 to 32 concurrent client-server clients",
     "remote_disconnect": "what a client writes alone after losing its server",
     "draft_cost": "drafting cost inside vLLM per generated token against context length",
+    "draft_profile": "a draft phase inside vLLM split into its parts: MoA vs vLLM's EAGLE(-3)",
     "hsd": "hierarchical speculative decoding: the planner's stack vs single drafters",
     "kernels_aot": "the Triton kernels compiled for sm_90 / sm_80 without a GPU: resources",
     "kernels": "the Triton kernels' correctness and timing on a GPU",
