@@ -107,7 +107,7 @@ def _drafters(
     target_dir = out / "target"
     info = load_target_info(target_dir)
     stats = {}
-    for method, drafter in build_drafters(info, cfg.seed_of_drafters).items():
+    for method, drafter in build_drafters(info, cfg.seed_of_drafters, cfg.norm_init).items():
         if method not in methods:
             continue
         name = run_name(method, cfg)
@@ -117,7 +117,8 @@ def _drafters(
         if record is None:
             init = save_drafter(drafter, out / "init" / name)
             t0 = time.perf_counter()
-            make_trainer(drafter_train_config(cfg, target_dir, corpus, run, init, device)).train()
+            train = drafter_train_config(cfg, target_dir, corpus, run, init, device, method)
+            make_trainer(train).train()
             record = {
                 "parameters": count_parameters(drafter)["total"],
                 "train_seconds": time.perf_counter() - t0,
@@ -196,6 +197,27 @@ def main(argv: list[str] | None = None) -> int:
         "cached and reported as <method>_k<MIN>_<MAX>",
     )
     p.add_argument(
+        "--sa-staircase",
+        choices=("off", "half", "release"),
+        default=None,
+        help="MoA's SA staircase in training (vllm-moa train --sa-staircase); other than off: "
+        "reported as <method>_stair<S>",
+    )
+    p.add_argument(
+        "--ca-memory",
+        choices=("inference", "release"),
+        default=None,
+        help="MoA's Cross-Attention training mask (vllm-moa train --ca-memory); release: "
+        "reported as <method>_carelease",
+    )
+    p.add_argument(
+        "--norm-init",
+        choices=("ones", "normal"),
+        default=None,
+        help="MoA's RMSNorm initialisation (vllm-moa train --norm-init); normal: reported as "
+        "<method>_normnormal",
+    )
+    p.add_argument(
         "--drafter-seed",
         type=int,
         default=None,
@@ -230,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         args.moa_refresh = (lo, hi)
     overrides = (
         "eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh",
-        "drafter_seed", "align_steps", "align_topk",
+        "drafter_seed", "align_steps", "align_topk", "sa_staircase", "ca_memory", "norm_init",
     )  # fmt: skip
     cfg = PRESETS[args.preset].replace(
         **{k: v for k in overrides if (v := getattr(args, k)) is not None}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -49,7 +50,7 @@ def match_budget(build: Callable[[int], nn.Module], budget: int) -> nn.Module:
     return build(size)
 
 
-def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
+def build_drafters(info: TargetInfo, seed: int, norm_init: str = "ones") -> dict[str, nn.Module]:
     moa0 = MoADrafter(make_config(info, "small", tli=0))
     budget = count_parameters(moa0)["total"]
     no_lsa = make_config(info, "small", memory_source="hidden")
@@ -84,8 +85,8 @@ def build_drafters(info: TargetInfo, seed: int) -> dict[str, nn.Module]:
         ),
         "eagle3": Eagle3Drafter(make_eagle3_config(info, "small")),
     }
-    for d in drafters.values():
-        d.init_weights(seed)  # type: ignore[operator]
+    for name, d in drafters.items():  # the MoA recipe's norm initialisation is MoA's
+        d.init_weights(seed, norm_init=norm_init if name.startswith("moa") else "ones")  # type: ignore[operator]
     return drafters
 
 
@@ -101,9 +102,20 @@ def run_name(method: str, cfg: TestbedConfig) -> str:
         name += f"_a{cfg.align_steps}"
         if cfg.align_topk is not None and cfg.align_topk != 3:
             name += f"t{cfg.align_topk}"
+    if method.startswith("moa"):
+        for option, tag in (("sa_staircase", "stair"), ("ca_memory", "ca"), ("norm_init", "norm")):
+            value = getattr(cfg, option)
+            if value != getattr(TestbedConfig, option):
+                name += f"_{tag}{value}"
     if cfg.seed_of_drafters != cfg.seed:
         name += f"_s{cfg.seed_of_drafters}"
     return name
+
+
+def recipe_options(cfg: TestbedConfig) -> dict[str, Any]:
+    """The MoA recipe's training options of a run (`TrainConfig`'s; the drafter's norm
+    initialisation is `build_drafters`')."""
+    return {"sa_staircase": cfg.sa_staircase, "ca_memory": cfg.ca_memory}
 
 
 def drafter_train_config(
@@ -113,9 +125,10 @@ def drafter_train_config(
     run: Path,
     init: Path,
     device: str = "cpu",
+    method: str = "moa_tli0",
 ) -> TrainConfig:
     """How the testbed trains every drafter (resuming from run/checkpoint.pt when present); the
-    K range matters to MoA only (the other methods ignore it)."""
+    K range matters to MoA only (the other methods ignore it), the recipe's options are MoA's."""
     return TrainConfig(
         target=str(target_dir),
         data=tuple(map(str, corpus)),
@@ -134,6 +147,7 @@ def drafter_train_config(
         refresh_max=cfg.moa_refresh[1],
         align_steps=cfg.align_steps,
         align_topk=cfg.align_topk,
+        **(recipe_options(cfg) if method.startswith("moa") else {}),
         resume=(run / "checkpoint.pt").is_file(),
         device=device,
     )

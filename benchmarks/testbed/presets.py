@@ -45,6 +45,12 @@ class TestbedConfig:
     # recipe (EAGLE-3's training-time test, none for the others).
     align_steps: int | None = None
     align_topk: int | None = None
+    # The MoA recipe's options (`vllm-moa train --sa-staircase/--ca-memory/--norm-init`, the MoA
+    # authors' choices against ours); MoA drafters trained with others than the defaults are
+    # cached and reported as `<method>_stair<s>`, `_ca<m>`, `_norm<n>` (run_name).
+    sa_staircase: str = "off"
+    ca_memory: str = "inference"
+    norm_init: str = "ones"
 
     @property
     def seed_of_drafters(self) -> int:

@@ -26,13 +26,21 @@ class TokenLayerConfig(DrafterConfig):
         self._check_heads("", self.target_hidden_size, self.num_heads, self.num_kv_heads)
 
 
-def random_init(module: nn.Module, seed: int, std: float) -> None:
-    """Deterministic random initialisation: normal(0, std) matrices, unit norms, zero bias."""
+def random_init(module: nn.Module, seed: int, std: float, norm_init: str = "ones") -> None:
+    """Deterministic random initialisation: normal(0, std) matrices, zero bias, and RMSNorm
+    weights of ones or (`norm_init="normal"`, as the MoA authors' code) normal(0, std), drawn
+    from a generator of their own so that the other weights are those of "ones"."""
+    if norm_init not in ("ones", "normal"):
+        raise ValueError(f"norm_init must be 'ones' or 'normal', got {norm_init!r}")
     gen = torch.Generator().manual_seed(seed)
+    norms = torch.Generator().manual_seed(seed + 1_000_003)
     with torch.no_grad():
         for name, p in sorted(module.named_parameters()):
             if name.endswith(("layernorm.weight", "norm.weight")):
-                p.fill_(1.0)
+                if norm_init == "ones":
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=norms) * std)
             elif name.endswith("bias"):
                 p.zero_()
             else:

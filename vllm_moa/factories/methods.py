@@ -38,7 +38,7 @@ def new_drafter(cfg: TrainConfig) -> nn.Module:
             )
     info = load_target_info(cfg.target)
     drafter: nn.Module = kind.load("module")(kind.load("sizing")(info, cfg.preset, **options))
-    drafter.init_weights(cfg.seed)  # type: ignore[operator]
+    drafter.init_weights(cfg.seed, norm_init=cfg.norm_init)  # type: ignore[operator]
     return drafter
 
 

@@ -22,22 +22,48 @@ def memory_mask(memory_limit: torch.Tensor, num_rows: int) -> torch.Tensor:
     return rows[None, :] < memory_limit[:, None]
 
 
-def bounded_memory_limits(seq_len: int, prompt_len: int, refresh_every: int) -> torch.Tensor:
+def bounded_memory_limits(
+    seq_len: int, prompt_len: int, refresh_every: int, response: torch.Tensor | None = None
+) -> torch.Tensor:
     """Memory limits [seq_len] of the K-step bounded Cross-Attention used in training.
 
     Prompt positions see every earlier row (limit = i). Response positions are grouped in cycles
     of `refresh_every` tokens starting at `prompt_len`; every query of a cycle sees only the rows
     before the cycle's first position, exactly as drafted tokens do between two verifications.
+
+    `response` [seq_len] bool marks the response tokens (an assistant's turns); None: every
+    token from `prompt_len` on. A token outside the response (a later user turn) is prefilled at
+    inference, so it sees every row before it (limit = i), and each later run of response tokens
+    starts cycles of its own, as the first draft of a turn sees the whole conversation before it.
     """
     if refresh_every < 1:
         raise ValueError(f"refresh_every must be >= 1, got {refresh_every}")
     if not 0 <= prompt_len <= seq_len:
         raise ValueError(f"prompt_len must be in [0, seq_len={seq_len}], got {prompt_len}")
     i = torch.arange(seq_len)
-    cycle_start = prompt_len + torch.div(i - prompt_len, refresh_every, rounding_mode="floor") * (
+    answer = i >= prompt_len
+    if response is not None:
+        answer &= response.to(torch.bool).cpu()
+    first = answer & ~torch.cat([torch.zeros(1, dtype=torch.bool), answer[:-1]])
+    anchor = torch.cummax(torch.where(first, i, 0), dim=0).values
+    cycle_start = anchor + torch.div(i - anchor, refresh_every, rounding_mode="floor") * (
         refresh_every
     )
-    return torch.where(i < prompt_len, i, cycle_start)
+    return torch.where(answer, cycle_start, i)
+
+
+def release_memory_limits(seq_len: int, every: int, response: torch.Tensor) -> torch.Tensor:
+    """Memory limits [seq_len] as the MoA authors' training code masks the Cross-Attention
+    (their `moa_spec.py`, `--ca-memory release`): refresh points are the positions that are
+    multiples of `every` (from the sequence start) and every token outside `response`; a query
+    sees the rows up to and including the last refresh point at or before it, so a refresh point
+    sees its own row, which no draft does at inference (the first draft after a verify sees the
+    rows before its own position). Reproduced for comparison, not as a default."""
+    if every < 1:
+        raise ValueError(f"every must be >= 1, got {every}")
+    i = torch.arange(seq_len)
+    refresh = (i % every == 0) | ~response.to(torch.bool).cpu()
+    return torch.cummax(torch.where(refresh, i, 0), dim=0).values + 1
 
 
 def aligned_pass_mask(

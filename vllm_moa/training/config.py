@@ -13,13 +13,16 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from vllm_moa.kinds import kind_names
 
 Preset = Literal["small", "paper"]  # vllm_moa/drafters/presets.py PRESETS
 MemorySource = Literal["lsa", "hidden"]  # vllm_moa/drafters/moa/config.py MEMORY_SOURCES
 Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autocast
+Staircase = Literal["off", "half", "release"]  # vllm_moa/training/schedule.py
+CaMemory = Literal["inference", "release"]  # vllm_moa/training/schedule.py memory_limits
+NormInit = Literal["ones", "normal"]  # vllm_moa/drafters/moa/model.py init_weights
 
 
 @dataclass(frozen=True)
@@ -99,9 +102,30 @@ class TrainConfig:
         },
     )
     refresh_max: int = field(default=15, metadata={"min": 1, "help": "see --refresh-min"})
-    sa_staircase: bool = field(
-        default=False,
-        metadata={"help": "MoA: SA sees only the tokens since the last refresh in the 1st half"},
+    sa_staircase: Staircase = field(
+        default="off",
+        metadata={
+            "help": "MoA: SA sees only the tokens since its cycle's start (the MoA authors' "
+            "'staircase'): half = every sequence in the first half of the steps, release = the "
+            "authors' schedule, each sequence with probability falling from 1 to 0 over the first "
+            "half (docs/training.md, 'The MoA recipe')",
+        },
+    )
+    ca_memory: CaMemory = field(
+        default="inference",
+        metadata={
+            "help": "MoA: the Cross-Attention's training mask: inference = as drafts see the "
+            "memory (the rows before their cycle's first position); release = the MoA authors' "
+            "(refresh points every K from the sequence start, where a query also sees its own "
+            "row); TLI 0 and no --align-steps only",
+        },
+    )
+    norm_init: NormInit = field(
+        default="ones",
+        metadata={
+            "help": "MoA: a new drafter's RMSNorm weights: ones, or normal = N(0, 0.02) as the "
+            "MoA authors' code initialises them",
+        },
     )
     feature_noise: float = field(
         default=0.1,
@@ -173,6 +197,19 @@ class TrainConfig:
     )
 
     def __post_init__(self) -> None:
+        if isinstance(self.sa_staircase, bool):  # train_config.json written before the choices
+            object.__setattr__(self, "sa_staircase", "half" if self.sa_staircase else "off")
+        choices = {"sa_staircase": Staircase, "ca_memory": CaMemory, "norm_init": NormInit}
+        for name, kind in choices.items():
+            if getattr(self, name) not in get_args(kind):
+                raise ValueError(
+                    f"{name} must be one of {list(get_args(kind))}, got {getattr(self, name)!r}"
+                )
+        if self.ca_memory == "release" and (self.tli or (self.align_steps or 1) > 1):
+            raise ValueError(
+                "ca_memory 'release' (the MoA authors' mask) is for TLI 0 without token "
+                "alignment: drop --ca-memory release, or train with --tli 0 and no --align-steps"
+            )
         if self.method not in kind_names():
             raise ValueError(f"method must be one of {list(kind_names())}, got {self.method!r}")
         positive = ("max_steps", "batch_size", "grad_accum", "max_length", "log_every")

@@ -18,6 +18,7 @@ from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl
 from vllm_moa.training.methods import DraftMethod
+from vllm_moa.training.schedule import response_tokens
 
 
 def proxy_tau(agreement: Sequence[float]) -> float:
@@ -43,7 +44,13 @@ def evaluate(
         batch = collate(examples[start : start + cfg.batch_size], pad_id)
         seq = batch.input_ids.shape[1]
         target_out = target.forward_batch(batch.input_ids, method.hidden_layers)
-        limits = torch.stack([bounded_memory_limits(seq, int(p), k) for p in batch.prompt_len])
+        turns = response_tokens(batch.loss_mask)
+        limits = torch.stack(
+            [
+                bounded_memory_limits(seq, int(p), k, r)
+                for p, r in zip(batch.prompt_len.tolist(), turns, strict=True)
+            ]
+        )
         out = method.forward(batch, target_out, limits.to(target.device), None)
         positions = torch.arange(seq)
         response = batch.loss_mask & (positions[None] >= batch.prompt_len[:, None])

@@ -30,7 +30,12 @@ from vllm_moa.training.evaluation import evaluate
 from vllm_moa.training.feature_cache import FeatureCache
 from vllm_moa.training.losses import masked_kl, masked_smooth_l1
 from vllm_moa.training.methods import DraftMethod
-from vllm_moa.training.schedule import memory_limits, step_generator
+from vllm_moa.training.schedule import (
+    memory_limits,
+    staircase_probability,
+    staircase_rows,
+    step_generator,
+)
 
 CHECKPOINT = "checkpoint.pt"
 METRICS = "metrics.jsonl"
@@ -57,15 +62,18 @@ def compute_loss(
     target_out: TargetOutput,
     cfg: TrainConfig,
     gen: torch.Generator,
-    staircase: bool,
+    staircase: float = 0.0,
 ) -> StepLoss:
+    """The loss of one micro-batch; `staircase`: the probability that a sequence trains with
+    SA's staircase (`schedule.staircase_probability`)."""
     seq = batch.input_ids.shape[1]
     if method.k_bounded:
-        limits = memory_limits(batch.prompt_len, seq, cfg, gen)
+        limits = memory_limits(batch.prompt_len, seq, cfg, gen, batch.loss_mask)
     else:  # fresh target information at every position (1-step bounded)
         limits = torch.arange(seq).expand(len(batch.prompt_len), seq)
     limits = limits.to(target.device)
-    sa_from = limits if staircase else None
+    rows = staircase_rows(staircase, len(batch.prompt_len), gen) if method.k_bounded else None
+    sa_from = None if rows is None else torch.where(rows.to(limits.device)[:, None], limits, 0)
     mask = batch.loss_mask.to(target.device)
     align = alignment_of(method, cfg)
     if align.steps > 1:  # token-aligned training (vllm_moa/training/alignment.py)
@@ -127,6 +135,12 @@ class Trainer:
         # The run's token alignment resolved (the drafter kind's recipe where no flag was given),
         # so train_config.json records what the run did.
         self.cfg = cfg = cfg.with_alignment(kind_of(self.method.model).alignment)
+        tli = int(getattr(getattr(self.method.model, "config", None), "tli", 0))
+        if cfg.ca_memory == "release" and tli:
+            raise ValueError(
+                "ca_memory 'release' (the MoA authors' mask) is for TLI 0 drafters; "
+                f"{cfg.drafter} has TLI {tli}: drop --ca-memory release"
+            )
         self._save = save
         self.method.model.to(self.dist.device)
         # Forward passes go through the (possibly DDP-wrapped) module so gradients sync.
@@ -263,7 +277,7 @@ class Trainer:
     def _step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
         self.method.model.train()
-        staircase = cfg.sa_staircase and step <= cfg.max_steps // 2
+        staircase = staircase_probability(step, cfg)
         totals = {"loss": 0.0, "kl": 0.0, "feature": 0.0, "tokens": 0}
         if alignment_of(self.method, cfg).steps > 1:
             totals["aligned"] = 0.0

@@ -67,8 +67,8 @@ class EagleDrafter(nn.Module):
             input_norm=False,
         )
 
-    def init_weights(self, seed: int, std: float = 0.02) -> None:
-        random_init(self, seed, std)
+    def init_weights(self, seed: int, std: float = 0.02, norm_init: str = "ones") -> None:
+        random_init(self, seed, std, norm_init)
 
     def fuse(self, next_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """[B, T, E] embeddings of x_{i+1} and [B, T, E] features f_i -> layer input [B, T, E]."""

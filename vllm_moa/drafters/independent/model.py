@@ -27,8 +27,8 @@ class IndependentDrafter(nn.Module):
         )
         self.norm = RMSNorm(e, c.rms_norm_eps)
 
-    def init_weights(self, seed: int, std: float = 0.02) -> None:
-        random_init(self, seed, std)
+    def init_weights(self, seed: int, std: float = 0.02, norm_init: str = "ones") -> None:
+        random_init(self, seed, std, norm_init)
 
     @property
     def blocks(self) -> list[DecoderBlock]:

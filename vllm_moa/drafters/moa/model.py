@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from vllm_moa.drafters.moa.config import MoAConfig
+from vllm_moa.drafters.token_layers import random_init
 from vllm_moa.model.layers import Attend, DecoderBlock
 from vllm_moa.model.masks import causal_mask, memory_mask
 
@@ -56,17 +57,10 @@ class MoADrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.cross_attention.dtype
 
-    def init_weights(self, seed: int, std: float = 0.02) -> None:
-        """Deterministic random initialisation (normal(0, std) matrices, unit norms, zero bias)."""
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, p in sorted(self.named_parameters()):
-                if name.endswith("layernorm.weight"):
-                    p.fill_(1.0)
-                elif name.endswith("bias"):
-                    p.zero_()
-                else:
-                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+    def init_weights(self, seed: int, std: float = 0.02, norm_init: str = "ones") -> None:
+        """Deterministic random initialisation (normal(0, std) matrices, zero bias, norms of
+        ones or normal(0, std): `random_init`)."""
+        random_init(self, seed, std, norm_init)
 
     def encode_memory(self, features: torch.Tensor) -> torch.Tensor:
         """Memory rows [N, E] from per-token target features.
