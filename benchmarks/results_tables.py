@@ -175,7 +175,15 @@ ALIGNED = re.compile(r"^(?P<method>.+)_a(?P<steps>\d+)(?:t(?P<topk>\d+))?$")
 
 
 def _testbed_name(method: str) -> str:
-    for suffix, words in (("_slim", ", slim LSA"), ("_k3_8", ", K ~ U[3, 8]")):
+    for suffix, words in (
+        ("_slim", ", slim LSA"),
+        ("_k3_8", ", K ~ U[3, 8]"),
+        ("_k4_9", ", K ~ U[4, 9]"),
+        ("_stairrelease", ", staircase (release)"),
+        ("_stairhalf", ", staircase (half)"),
+        ("_carelease", ", CA mask (release)"),
+        ("_normnormal", ", norms N(0, 0.02)"),
+    ):
         if method.endswith(suffix):
             return _testbed_name(method[: -len(suffix)]) + words
     aligned = ALIGNED.match(method)
@@ -233,6 +241,7 @@ _ARM_NAMES = {
     "moa_k4": "MoA, K=4",
     "moa_k4_adaptive": "MoA, adaptive up to K=4 (default)",
     "eagle_k4": "vLLM EAGLE, K=4",
+    "eagle3_k4": "vLLM EAGLE-3, K=4",
     "ngram_k4": "vLLM ngram, K=4",
 }
 
@@ -253,6 +262,28 @@ def _throughput_compact(data: dict[str, Any]) -> Iterator[list[Any]]:
         yield [batch, f"{at['plain']['output_tokens_per_s']:.1f}", *cells]
 
 
+def _paired(data: dict[str, Any]) -> Iterator[list[Any]]:
+    """Each MoA arm against the other arms, round by round (`throughput.paired_ratios`)."""
+    yield ["batch", "MoA arm", "against", "median of paired ratios", "90% interval of the median"]
+    for r in sorted(data["results"], key=lambda r: r["batch_size"]):
+        for other, p in r.get("paired", {}).items():
+            low, high = p["interval_90"]
+            yield [r["batch_size"], _ARM_NAMES.get(r["method"], r["method"]),
+                   _ARM_NAMES.get(other, other), f"{p['median']:.2f}",
+                   f"{low:.2f}-{high:.2f}"]  # fmt: skip
+
+
+def _draft_profile(data: dict[str, Any]) -> Iterator[list[Any]]:
+    """A draft phase's parts per arm (ms, medians over decode steps) and c."""
+    rows = [r for r in data["results"] if r["arm"] != "plain"]
+    parts = list(dict.fromkeys(p for r in rows for p in r["parts_ms"]))
+    yield ["arm", "target step (verify)", "draft phase", *parts, "draft step", "c"]
+    for r in rows:
+        cells = [f"{r['parts_ms'][p]:.2f}" if p in r["parts_ms"] else "" for p in parts]
+        yield [r["arm"], f"{r['target_step_ms']:.1f}", f"{r['draft_phase_ms']:.1f}", *cells,
+               f"{r['draft_step_ms']:.2f}", f"{r['c']:.3f}"]  # fmt: skip
+
+
 def _compact(data: dict[str, Any]) -> Iterator[list[Any]]:
     if data.get("benchmark") == "throughput":
         return _throughput_compact(data)
@@ -262,10 +293,12 @@ def _compact(data: dict[str, Any]) -> Iterator[list[Any]]:
 # Layouts a marker may name after the results file (`<!-- results-table: NAME LAYOUT -->`).
 LAYOUTS: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
     "compact": _compact,
+    "paired": _paired,
 }
 
 TABLES: dict[str, Callable[[dict[str, Any]], Iterator[list[Any]]]] = {
     "draft_cost": _draft_cost,
+    "draft_profile": _draft_profile,
     "throughput": _throughput,
     "serve_sweep": _serve_sweep,
     "standalone_adaptive": _standalone,

@@ -13,7 +13,8 @@ vLLM runs it by default (`--enforce-eager` for eager), rounds alternating betwee
 drift in machine speed hits all alike. Reported per (method, b): median output tokens/s over
 rounds, request latency p50/p99, and acceptance (tau = 1 + accepted / drafts, per-position
 rates) from vLLM's own spec-decode counters (process-wide, so read around each round of each
-engine); speedup = ratio of medians. MoA runs twice by default (`--adaptive both`): with the
+engine); speedup = ratio of medians; each MoA arm's per-round ratios to the other arms
+(`paired`: median and a 90% interval of it). MoA runs twice by default (`--adaptive both`): with the
 speculation length chosen per step (`moa_k4_adaptive`, the default a user gets) and with the
 fixed K (`moa_k4`, VLLM_MOA_ADAPTIVE=0).
 Writes a JSON (config, git SHA, machine, figures) and a PNG beside it.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -185,6 +187,47 @@ def run(
     return rows
 
 
+def median_interval(values: list[float], coverage: float = 0.9) -> tuple[float, float]:
+    """A distribution-free interval for the median of `values` (order statistics): the j-th
+    lowest and highest values, with the largest j whose interval covers the median with
+    probability >= `coverage` (Binomial(n, 1/2)); the extremes when n is too small."""
+    n, ordered = len(values), sorted(values)
+    j, tail = 0, 0.0  # tail: P(Binomial(n, 1/2) <= j - 1)
+    while j < n // 2:
+        nxt = tail + math.comb(n, j) / 2**n
+        if 2 * nxt > 1 - coverage:
+            break
+        tail, j = nxt, j + 1
+    j = max(j, 1)
+    return ordered[j - 1], ordered[n - j]
+
+
+def paired_ratios(rows: list[dict[str, Any]]) -> None:
+    """Add to each MoA row, per batch size, its per-round ratios to every other speculative arm
+    (`paired`: rounds run every engine in turn, so round r of each is a pair): their median and
+    a 90% interval of that median (`median_interval`)."""
+    for b in {r["batch_size"] for r in rows}:
+        at = [r for r in rows if r["batch_size"] == b]
+        others = [r for r in at if r["method"] != "plain" and not r["method"].startswith("moa")]
+        for r in (r for r in at if r["method"].startswith("moa")):
+            r["paired"] = {}
+            for o in [*others, *(p for p in at if p["method"] == "plain")]:
+                ratios = [
+                    x / y
+                    for x, y in zip(
+                        r["output_tokens_per_s_rounds"],
+                        o["output_tokens_per_s_rounds"],
+                        strict=True,
+                    )
+                ]
+                low, high = median_interval(ratios)
+                r["paired"][o["method"]] = {
+                    "median": statistics.median(ratios),
+                    "interval_90": [low, high],
+                    "rounds": ratios,
+                }
+
+
 def _plot(path: Path, rows: list[dict[str, Any]]) -> None:
     import matplotlib
 
@@ -292,6 +335,7 @@ def main() -> None:
     plain = {r["batch_size"]: r["output_tokens_per_s"] for r in rows if r["method"] == "plain"}
     for r in rows:
         r["speedup_vs_plain"] = r["output_tokens_per_s"] / plain[r["batch_size"]]
+    paired_ratios(rows)
     out = Path(args.out)
     save_json(out, "throughput", {"config": vars(args), "vllm": vllm.__version__, "results": rows})
     _plot(out.with_suffix(".png"), rows)

@@ -173,6 +173,53 @@ def test_run_names():
     assert run_name("griffin", aligned) == "griffin_a3"
     assert run_name("moa_tli1", aligned.replace(align_topk=5, drafter_seed=1)) == "moa_tli1_a3t5_s1"
     assert other.seed_of_drafters == 2 and cfg.seed_of_drafters == cfg.seed
+    recipe = other.replace(sa_staircase="release", ca_memory="release", norm_init="normal")
+    name = "moa_tli0_slim_k3_8_stairrelease_carelease_normnormal_s2"
+    assert run_name("moa_tli0_slim", recipe) == name
+    assert run_name("eagle", recipe) == "eagle_s2"  # the recipe's options are MoA's
+
+
+def test_recipe_options_reach_moa_training_only(tmp_path):
+    from benchmarks.testbed.drafters import drafter_train_config
+    from benchmarks.testbed.presets import PRESETS
+
+    cfg = PRESETS["ci"].replace(sa_staircase="release", ca_memory="release")
+    moa = drafter_train_config(cfg, tmp_path, [tmp_path], tmp_path, tmp_path, method="moa_tli0")
+    assert (moa.sa_staircase, moa.ca_memory) == ("release", "release")
+    eagle = drafter_train_config(cfg, tmp_path, [tmp_path], tmp_path, tmp_path, method="eagle3")
+    assert (eagle.sa_staircase, eagle.ca_memory) == ("off", "inference")
+
+
+def _run(names, seed_taus, **shared):
+    figures = {"plain": {"k4": {"tokens_per_second": 1.0}}}
+    for name, tau in zip(names, seed_taus, strict=True):
+        figures[name] = {"k4": {"tau": tau}, "k6": {"tau": tau + 0.5}}
+    config = {"num_layers": 4, "ks": [4, 6], "drafter_seed": None}
+    return {"preset": "cpu", "prompts": "p", "config": config, "results": figures,
+            "command": "c", "git_sha": "x", "complete": True, **shared}  # fmt: skip
+
+
+def test_merge_gives_each_recipe_its_spread_over_seeds(tmp_path):
+    from benchmarks.testbed.merge import merge
+
+    runs = [
+        _run(["moa_k3_8"], [3.0]),
+        _run(["moa_k3_8_s1"], [3.2]),
+        _run(["moa_k3_8_normnormal", "eagle"], [2.8, 2.5]),
+        _run(["moa_k3_8_normnormal_s1"], [3.0]),
+    ]
+    report = merge(runs)
+    assert set(report["results"]) == {
+        "plain", "moa_k3_8", "moa_k3_8_s1", "moa_k3_8_normnormal", "moa_k3_8_normnormal_s1", "eagle"
+    }  # fmt: skip
+    base = report["spread"]["moa_k3_8"]
+    assert base["runs"] == ["moa_k3_8", "moa_k3_8_s1"]
+    assert base["k4"]["mean"] == pytest.approx(3.1) and base["k6"]["max"] == pytest.approx(3.7)
+    assert report["spread"]["moa_k3_8_normnormal"]["k4"]["min"] == pytest.approx(2.8)
+    with pytest.raises(ValueError, match="in two runs"):
+        merge([runs[0], runs[0]])
+    with pytest.raises(ValueError, match="'preset'"):
+        merge([runs[0], {**runs[1], "preset": "cpu-deep"}])
 
 
 def test_read_prompts_takes_a_slice(tmp_path):
