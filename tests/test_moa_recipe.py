@@ -174,3 +174,47 @@ def test_train_cli_takes_the_recipe_options(tiny_target_dir, tmp_path):
     assert (out / "drafter" / "config.json").is_file()
     drafter = load_drafter(out / "drafter")
     assert drafter.self_attention.input_layernorm.weight.abs().mean() < 0.2  # not ones
+
+
+def test_eagle3_head_from_the_target(tiny_target_dir):
+    """`--head-init target`: a new EAGLE-3 drafter's final norm and LM head are copies of the
+    target's (the authors' code starts them from random, as the default does)."""
+    from vllm_moa.factories.methods import build_method
+    from vllm_moa.hf_target import HFTarget
+
+    target = HFTarget.from_pretrained(tiny_target_dir)
+    made = {
+        init: build_method(
+            TrainConfig(
+                target=tiny_target_dir,
+                data=("d",),
+                out="o",
+                max_steps=1,
+                method="eagle3",
+                head_init=init,
+            ),
+            target,
+        ).model
+        for init in ("random", "target")
+    }
+    copied, random = made["target"], made["random"]
+    assert torch.equal(copied.lm_head.weight, target.lm_head.weight)
+    assert torch.equal(copied.norm.weight, target.norm.weight)
+    assert not torch.equal(random.lm_head.weight, target.lm_head.weight)  # control
+    assert torch.equal(copied.fc.weight, random.fc.weight)  # the rest as initialised
+    moa = TrainConfig(target=tiny_target_dir, data=("d",), out="o", max_steps=1, head_init="target")
+    with pytest.raises(ValueError, match="LM head of their own"):
+        build_method(moa, target)
+    with pytest.raises(ValueError, match="--head-init sets up a new drafter"):
+        build_method(
+            TrainConfig(
+                target=tiny_target_dir,
+                data=("d",),
+                out="o",
+                max_steps=1,
+                method="eagle3",
+                head_init="target",
+                drafter="somewhere",
+            ),
+            target,
+        )

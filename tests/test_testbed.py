@@ -177,6 +177,8 @@ def test_run_names():
     name = "moa_tli0_slim_k3_8_stairrelease_carelease_normnormal_s2"
     assert run_name("moa_tli0_slim", recipe) == name
     assert run_name("eagle", recipe) == "eagle_s2"  # the recipe's options are MoA's
+    head = cfg.replace(head_init="target")
+    assert run_name("eagle3", head) == "eagle3_headtarget" and run_name("eagle", head) == "eagle"
 
 
 def test_recipe_options_reach_moa_training_only(tmp_path):

@@ -115,6 +115,11 @@ def _drafters(
         done, settings = run / "done.json", _settings(cfg, DRAFTER_FIELDS)
         record = _cached(done, settings)
         if record is None:
+            if method == "eagle3" and cfg.head_init == "target":
+                from vllm_moa.factories.methods import init_head_from_target
+                from vllm_moa.hf_target import HFTarget
+
+                init_head_from_target(drafter, HFTarget.from_pretrained(str(target_dir)))
             init = save_drafter(drafter, out / "init" / name)
             t0 = time.perf_counter()
             train = drafter_train_config(cfg, target_dir, corpus, run, init, device, method)
@@ -218,6 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         "<method>_normnormal",
     )
     p.add_argument(
+        "--head-init",
+        choices=("random", "target"),
+        default=None,
+        help="EAGLE-3's own norm and LM head from random (the authors') or the target's "
+        "(vllm-moa train --head-init); target: reported as eagle3_headtarget",
+    )
+    p.add_argument(
         "--drafter-seed",
         type=int,
         default=None,
@@ -253,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = (
         "eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh",
         "drafter_seed", "align_steps", "align_topk", "sa_staircase", "ca_memory", "norm_init",
+        "head_init",
     )  # fmt: skip
     cfg = PRESETS[args.preset].replace(
         **{k: v for k in overrides if (v := getattr(args, k)) is not None}

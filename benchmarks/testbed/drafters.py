@@ -107,6 +107,8 @@ def run_name(method: str, cfg: TestbedConfig) -> str:
             value = getattr(cfg, option)
             if value != getattr(TestbedConfig, option):
                 name += f"_{tag}{value}"
+    if method == "eagle3" and cfg.head_init != "random":
+        name += f"_head{cfg.head_init}"
     if cfg.seed_of_drafters != cfg.seed:
         name += f"_s{cfg.seed_of_drafters}"
     return name

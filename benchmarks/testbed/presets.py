@@ -51,6 +51,9 @@ class TestbedConfig:
     sa_staircase: str = "off"
     ca_memory: str = "inference"
     norm_init: str = "ones"
+    # EAGLE-3's own final norm and LM head: from random (the authors') or the target's
+    # (`vllm-moa train --head-init target`); the latter reported as `eagle3_headtarget`.
+    head_init: str = "random"
 
     @property
     def seed_of_drafters(self) -> int:

@@ -56,10 +56,30 @@ OPTIONS = ("tli", "memory_source")
 
 def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
     if cfg.drafter is not None:
+        if cfg.head_init != "random":
+            raise ValueError(
+                "--head-init sets up a new drafter; --drafter continues from a trained one: "
+                "drop one of them"
+            )
         drafter = load_drafter(cfg.drafter, target=target.shape)
     else:
         drafter = new_drafter(cfg)
+        if cfg.head_init == "target":
+            init_head_from_target(drafter, target)
     return method_for(drafter, target, cfg.feature_noise)
+
+
+def init_head_from_target(drafter: nn.Module, target: HFTarget) -> None:
+    """A drafter with an LM head of its own (EAGLE-3) starts it, and its final norm, from the
+    target's: `train --head-init target`."""
+    init = getattr(drafter, "init_head_from", None)
+    if init is None:
+        label = kind_of(drafter).label or kind_of(drafter).name
+        raise ValueError(
+            f"--head-init target applies to drafters with an LM head of their own (EAGLE-3); "
+            f"{label} reads the target's: drop it"
+        )
+    init(target.norm.weight, target.lm_head.weight)
 
 
 def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Path:

@@ -23,6 +23,7 @@ Autocast = Literal["auto", "bf16", "none"]  # vllm_moa/devices.py training_autoc
 Staircase = Literal["off", "half", "release"]  # vllm_moa/training/schedule.py
 CaMemory = Literal["inference", "release"]  # vllm_moa/training/schedule.py memory_limits
 NormInit = Literal["ones", "normal"]  # vllm_moa/drafters/moa/model.py init_weights
+HeadInit = Literal["random", "target"]  # vllm_moa/drafters/eagle3/model.py init_head_from
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,13 @@ class TrainConfig:
             "MoA authors' code initialises them",
         },
     )
+    head_init: HeadInit = field(
+        default="random",
+        metadata={
+            "help": "EAGLE-3: a new drafter's own final norm and LM head start from random (the "
+            "authors') or from the target's (copied, then trained)",
+        },
+    )
     feature_noise: float = field(
         default=0.1,
         metadata={"help": "EAGLE: uniform noise U(-a/2, a/2) on input features, a = this"},
@@ -199,7 +207,12 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.sa_staircase, bool):  # train_config.json written before the choices
             object.__setattr__(self, "sa_staircase", "half" if self.sa_staircase else "off")
-        choices = {"sa_staircase": Staircase, "ca_memory": CaMemory, "norm_init": NormInit}
+        choices = {
+            "sa_staircase": Staircase,
+            "ca_memory": CaMemory,
+            "norm_init": NormInit,
+            "head_init": HeadInit,
+        }
         for name, kind in choices.items():
             if getattr(self, name) not in get_args(kind):
                 raise ValueError(

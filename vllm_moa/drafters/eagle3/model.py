@@ -74,6 +74,18 @@ class Eagle3Drafter(EagleDrafter):
         self.norm = RMSNorm(e, config.rms_norm_eps)
         self.lm_head = nn.Linear(e, config.draft_vocab_size, bias=False)
 
+    def init_head_from(self, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Start the final norm and LM head from the target's (copies; both then train):
+        `vllm-moa train --head-init target`. The authors' code starts them from random."""
+        if lm_head_weight.shape != self.lm_head.weight.shape:
+            raise ValueError(
+                f"the target's LM head is {tuple(lm_head_weight.shape)}, this drafter's "
+                f"{tuple(self.lm_head.weight.shape)}: --head-init target needs the full vocabulary"
+            )
+        with torch.no_grad():
+            self.norm.weight.copy_(norm_weight.to(self.norm.weight.dtype))
+            self.lm_head.weight.copy_(lm_head_weight.to(self.lm_head.weight.dtype))
+
     @staticmethod
     def fc_inputs(config: TokenLayerConfig) -> int:
         """fc reads the target's states of the feature layers, concatenated (3 by default)."""
