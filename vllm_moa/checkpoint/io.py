@@ -6,7 +6,8 @@ written: a missing, unparsable or non-object config.json, a key missing or of th
 unknown model_type, a NaN or Inf config number; a missing, truncated or corrupt weights file,
 tensors missing, unexpected or of another shape than the config implies, of a dtype other than
 float32 / bfloat16 / float16 (never cast: an integer or fp8 tensor means a quantized or foreign
-checkpoint), or holding NaN / Inf.
+checkpoint; only the integer / bool buffers the drafter itself holds, EAGLE-3's d2t and t2d, are
+stored as such, in exactly their dtype), or holding NaN / Inf.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ WEIGHTS_NAME = "model.safetensors"
 # The safetensors dtypes a drafter's weights may have (load_drafter casts them to the dtype asked
 # for); anything else is refused by name rather than cast.
 WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+# safetensors' names of the dtypes of a drafter's non-float buffers (EAGLE-3's d2t: int64, t2d:
+# bool), which must be stored in exactly the dtype the drafter holds.
+BUFFER_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
 RECREATE = "re-create the drafter (`vllm-moa init-drafter` or `vllm-moa train`)"
 NOT_A_DRAFTER_DIR = (
     "pass the drafter/ folder `vllm-moa train --out` wrote, or one made by `vllm-moa init-drafter`"
@@ -201,11 +205,21 @@ def check_tensors(
             raise ValueError(f"{source}: {name} has shape {shape}, config implies {expected[name]}")
 
 
+def buffer_dtypes(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> safetensors dtype of the tensors of a drafter's state that are not floating point
+    (index maps such as EAGLE-3's d2t / t2d): check_header's `exact`."""
+    return {n: BUFFER_DTYPES[t.dtype] for n, t in state.items() if not t.is_floating_point()}
+
+
 def check_header(
-    header: dict[str, TensorHeader], expected: dict[str, tuple[int, ...]], file: Path
+    header: dict[str, TensorHeader],
+    expected: dict[str, tuple[int, ...]],
+    file: Path,
+    exact: dict[str, str] | None = None,
 ) -> None:
     """The tensors a drafter's weights file must hold: the names and shapes `expected` (its
-    config's), each of a dtype in WEIGHT_DTYPES."""
+    config's), each of a dtype in WEIGHT_DTYPES except those `exact` names (the drafter's
+    integer / bool buffers, `buffer_dtypes`), each of exactly its dtype."""
     try:
         check_tensors(expected, {name: h.shape for name, h in header.items()}, str(file))
     except ValueError as e:
@@ -213,7 +227,25 @@ def check_header(
             f"{e}; the config and weights come from different drafters: copy the directory "
             "again or re-save the drafter"
         ) from None
-    wrong = {name: h.dtype for name, h in sorted(header.items()) if h.dtype not in WEIGHT_DTYPES}
+    exact = exact or {}
+    off = {
+        n: (h.dtype, exact[n])
+        for n, h in sorted(header.items())
+        if h.dtype != exact.get(n, h.dtype)
+    }
+    if off:
+        named = ", ".join(f"{name} ({got}, expected {want})" for name, (got, want) in off.items())
+        raise DrafterCheckError(
+            f"{file}: {named}: the drafter's index buffers (EAGLE-3's draft vocabulary maps d2t "
+            "int64 and t2d bool) are stored in exactly their dtype, never cast; a checkpoint "
+            "whose maps were saved as floats or another integer type is foreign or damaged: "
+            "re-save the drafter (`vllm-moa train --draft-vocab`)"
+        )
+    wrong = {
+        name: h.dtype
+        for name, h in sorted(header.items())
+        if name not in exact and h.dtype not in WEIGHT_DTYPES
+    }
     if wrong:
         named = ", ".join(f"{name} ({dtype})" for name, dtype in list(wrong.items())[:3])
         raise DrafterCheckError(
@@ -270,8 +302,9 @@ def load_drafter(
         check_target(config, target, path)
     drafter: nn.Module = BY_MODEL_TYPE[config.MODEL_TYPE].load("module")(config)
     file = path / WEIGHTS_NAME
-    shapes = {name: tuple(t.shape) for name, t in drafter.state_dict().items()}
-    check_header(read_header(file), shapes, file)
+    own = drafter.state_dict()
+    shapes = {name: tuple(t.shape) for name, t in own.items()}
+    check_header(read_header(file), shapes, file, buffer_dtypes(own))
     state = load_state_dict(file)
     check_finite(state, file)
     drafter.load_state_dict(state)

@@ -20,6 +20,7 @@ from vllm_moa.checkpoint.io import (
     NOT_A_DRAFTER_DIR,
     WEIGHTS_NAME,
     DrafterCheckError,
+    buffer_dtypes,
     check_header,
     check_target,
     load_config,
@@ -48,11 +49,16 @@ def check_drafter_dir(path: str | Path, target: TargetShape | None = None) -> Dr
     return config
 
 
-def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every tensor the drafter of `config` stores (built on the meta device)."""
+def _meta_state(config: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The state dict of the drafter of `config`, built on the meta device (no memory)."""
     with torch.device("meta"):
         module = BY_MODEL_TYPE[config.MODEL_TYPE].load("module")(config)
-    return {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    return dict(module.state_dict())
+
+
+def expected_shapes(config: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the drafter of `config` stores (built on the meta device)."""
+    return {name: tuple(t.shape) for name, t in _meta_state(config).items()}
 
 
 def check_weights_file(path: Path, config: DrafterConfig) -> None:
@@ -63,7 +69,9 @@ def check_weights_file(path: Path, config: DrafterConfig) -> None:
         header = read_header(file)
     except FileNotFoundError as e:
         raise DrafterCheckError(str(e)) from None
-    check_header(header, expected_shapes(config), file)
+    state = _meta_state(config)
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    check_header(header, shapes, file, buffer_dtypes(state))
 
 
 def trained_chain_range(path: str | Path) -> tuple[int, int] | None:

@@ -11,8 +11,15 @@ EAGLE-3 (SafeAILab/EAGLE's training output, read by vLLM 0.32's llama_eagle3.py)
 config plus `draft_vocab_size`, `target_hidden_size`, `eagle_aux_hidden_state_layer_ids` and
 `num_aux_hidden_states` (so vLLM reads our feature layers whatever its default), and weights
 `fc.weight` (nE -> E), `midlayer.<llama layer names>` (with `hidden_norm`; q, k, v read 2E),
-`norm.weight` and `lm_head.weight`; no embeddings (vLLM shares the target's) and no `d2t` (the
-draft vocabulary is the target's).
+`norm.weight` and `lm_head.weight` (draft_vocab_size rows); no embeddings (vLLM shares the
+target's). With a reduced draft vocabulary also the authors' `d2t` (int64 [draft_vocab_size], the
+offset: target id = draft id + d2t[draft id]) and `t2d` (bool [vocab_size]) under those names:
+vLLM 0.32's `Eagle3LlamaForCausalLM.load_weights` (llama_eagle3.py:420-443) loads `d2t` into
+`draft_id_to_target_id` (a long [draft_vocab_size] parameter it creates only when
+draft_vocab_size differs from the target's vocabulary, :339-345) and skips `t2d`; its
+`compute_logits` (:373-391) scatters the draft logits to `arange + d2t`, -inf elsewhere, as
+`Eagle3Drafter.logits` does. With the whole vocabulary neither is written (vLLM would have no
+parameter to load `d2t` into).
 """
 
 from __future__ import annotations

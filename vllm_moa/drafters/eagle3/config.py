@@ -35,9 +35,14 @@ class Eagle3Config(TokenLayerConfig):
 
     # HF hidden-state indices (the input of layer l), ascending and distinct, 1 <= l < L.
     feature_layers: tuple[int, ...] = field(kw_only=True)
-    # The drafter's own LM head's vocabulary. Only the target's whole vocabulary is supported
-    # today (EAGLE-3's reduced draft vocabulary and its d2t map are not implemented).
+    # The drafter's own LM head's vocabulary: the target's whole vocabulary, or EAGLE-3's
+    # reduced draft vocabulary (fewer rows; the drafter then holds the d2t / t2d maps, model.py).
     draft_vocab_size: int = field(kw_only=True)
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether the LM head covers only part of the target's vocabulary (d2t / t2d held)."""
+        return self.draft_vocab_size < self.vocab_size
 
     def __post_init__(self) -> None:
         layers = self.feature_layers
@@ -57,9 +62,8 @@ class Eagle3Config(TokenLayerConfig):
                 f"Eagle3Config.feature_layers {list(layers)} must lie in 1..L-1 = "
                 f"1..{self.target_num_layers - 1} (the input of a layer after the first)"
             )
-        if self.draft_vocab_size != self.vocab_size:
+        if not 1 <= self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
-                f"Eagle3Config.draft_vocab_size {self.draft_vocab_size} differs from the "
-                f"target's vocabulary {self.vocab_size}: a reduced draft vocabulary is not "
-                "supported yet; set draft_vocab_size to the target's vocab_size"
+                f"Eagle3Config.draft_vocab_size must lie in 1..{self.vocab_size} (the target's "
+                f"vocabulary), got {self.draft_vocab_size}; set it to at most vocab_size"
             )

@@ -1,5 +1,6 @@
 """The EAGLE-3 drafter: `fc` projects three target states into the feature; one decoder layer
-whose attention reads [norm(embedding) | norm(feature)]; a final norm and its own LM head."""
+whose attention reads [norm(embedding) | norm(feature)]; a final norm and its own LM head, over
+the target's vocabulary or EAGLE-3's reduced draft vocabulary (the `d2t` / `t2d` buffers)."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ class Eagle3Block(DecoderBlock):
 
 
 class Eagle3Drafter(EagleDrafter):
+    """With a reduced draft vocabulary (config.draft_vocab_size < vocab_size) the LM head has
+    draft_vocab_size rows, one per draft token, and two buffers, saved with the weights as the
+    authors' release and vLLM's `eagle3` loader hold them:
+
+        d2t: int64 [draft_vocab_size], draft id i is target id i + d2t[i] (an offset), the
+             target ids strictly ascending;
+        t2d: bool [vocab_size], whether a target token is in the draft vocabulary.
+
+    `logits` returns logits over the target's whole vocabulary, -inf outside the draft vocabulary
+    (vLLM's `compute_logits` scatter), so every caller drafts target ids unchanged. A new drafter
+    starts with the first draft_vocab_size target ids; `set_draft_vocab` installs the real ones
+    (`vllm-moa train --draft-vocab`: the most frequent tokens of the training data)."""
+
     # EAGLE-3 trains through its unrolled passes (the training-time test).
     DETACH_FED: ClassVar[bool] = False
 
@@ -73,18 +87,54 @@ class Eagle3Drafter(EagleDrafter):
         e = config.target_hidden_size
         self.norm = RMSNorm(e, config.rms_norm_eps)
         self.lm_head = nn.Linear(e, config.draft_vocab_size, bias=False)
+        self.d2t: torch.Tensor | None
+        self.t2d: torch.Tensor | None
+        if not config.reduced_vocab:
+            self.d2t = self.t2d = None
+        else:
+            self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[: config.draft_vocab_size] = True
+            self.register_buffer("t2d", t2d)
+            self.register_load_state_dict_post_hook(_check_loaded_vocab)
+
+    def draft_token_ids(self) -> torch.Tensor:
+        """int64 [draft_vocab_size]: the target id of each draft id (ascending); the whole
+        vocabulary's ids when it is not reduced."""
+        if self.d2t is None:
+            return torch.arange(self.config.vocab_size, device=self.lm_head.weight.device)
+        return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary: `token_ids` int [draft_vocab_size], the target ids of
+        the draft tokens, strictly ascending (draft id i = the i-th smallest)."""
+        if self.d2t is None or self.t2d is None:
+            raise ValueError(
+                f"this EAGLE-3 drafter's LM head covers the whole vocabulary "
+                f"(draft_vocab_size {self.config.draft_vocab_size} = vocab_size): it has no "
+                "draft vocabulary to set; build it with a smaller draft_vocab_size"
+            )
+        ids = token_ids.to(device=self.d2t.device, dtype=torch.long)
+        check_draft_vocab(ids, self.config.draft_vocab_size, self.config.vocab_size)
+        with torch.no_grad():
+            self.d2t.copy_(ids - torch.arange(ids.shape[0], device=ids.device))
+            self.t2d.zero_()
+            self.t2d[ids] = True
 
     def init_head_from(self, norm_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
         """Start the final norm and LM head from the target's (copies; both then train):
-        `vllm-moa train --head-init target`. The authors' code starts them from random."""
-        if lm_head_weight.shape != self.lm_head.weight.shape:
+        `vllm-moa train --head-init target`; with a reduced draft vocabulary, the rows of the
+        draft tokens (set the vocabulary first). The authors' code starts them from random."""
+        if lm_head_weight.shape[0] != self.config.vocab_size:
             raise ValueError(
                 f"the target's LM head is {tuple(lm_head_weight.shape)}, this drafter's "
-                f"{tuple(self.lm_head.weight.shape)}: --head-init target needs the full vocabulary"
+                f"vocabulary {self.config.vocab_size}: --head-init target needs the drafter's "
+                "target"
             )
+        rows = lm_head_weight[self.draft_token_ids().to(lm_head_weight.device)]
         with torch.no_grad():
             self.norm.weight.copy_(norm_weight.to(self.norm.weight.dtype))
-            self.lm_head.weight.copy_(lm_head_weight.to(self.lm_head.weight.dtype))
+            self.lm_head.weight.copy_(rows.to(self.lm_head.weight.dtype))
 
     @staticmethod
     def fc_inputs(config: TokenLayerConfig) -> int:
@@ -113,5 +163,48 @@ class Eagle3Drafter(EagleDrafter):
     def logits(
         self, states: torch.Tensor, target_head: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
-        """EAGLE-3's own LM head after its final norm (the target's head is not used)."""
-        return self.lm_head(self.norm(states.to(self.fc.weight.dtype)))
+        """EAGLE-3's own LM head after its final norm (the target's head is not used), [..., V]:
+        with a reduced draft vocabulary its draft_vocab_size logits scattered to their target ids,
+        -inf elsewhere (vLLM's `Eagle3LlamaForCausalLM.compute_logits`), so the argmax is the
+        draft argmax mapped through d2t and softmax gives the other tokens probability 0."""
+        draft = self.lm_head(self.norm(states.to(self.fc.weight.dtype)))
+        if self.d2t is None:
+            return draft
+        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy(-1, self.draft_token_ids(), draft)
+
+
+def check_draft_vocab(ids: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
+    """Raise unless `ids` (int64) are draft_vocab_size strictly ascending ids in 0..V-1."""
+    if tuple(ids.shape) != (draft_vocab_size,):
+        raise ValueError(
+            f"the draft vocabulary must hold draft_vocab_size = {draft_vocab_size} token ids, got "
+            f"shape {tuple(ids.shape)}"
+        )
+    ascending = bool((ids[1:] > ids[:-1]).all())  # device sync
+    in_range = bool(((ids >= 0) & (ids < vocab_size)).all())  # device sync
+    if not (ascending and in_range):
+        raise ValueError(
+            f"the draft vocabulary's target ids must be strictly ascending in 0..{vocab_size - 1} "
+            "(draft id i = the i-th smallest, as the authors' d2t and vLLM's scatter need); "
+            "rebuild it (`vllm-moa train --draft-vocab`)"
+        )
+
+
+def _check_loaded_vocab(module: nn.Module, incompatible: object) -> None:
+    """After load_state_dict: d2t must map draft ids to ascending target ids in range, and t2d
+    must mark exactly those (a d2t / t2d pair from another drafter is refused)."""
+    assert isinstance(module, Eagle3Drafter) and module.t2d is not None
+    config = module.config
+    ids = module.draft_token_ids()
+    try:
+        check_draft_vocab(ids, config.draft_vocab_size, config.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"d2t: {e}") from None
+    marked = torch.zeros_like(module.t2d)
+    marked[ids] = True
+    if not bool((marked == module.t2d).all()):  # device sync
+        raise ValueError(
+            f"t2d marks {int(module.t2d.sum())} target tokens, not the {config.draft_vocab_size} "
+            "d2t maps draft ids to: the two come from different drafters; re-save the drafter"
+        )
