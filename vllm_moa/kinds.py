@@ -85,6 +85,7 @@ KINDS: tuple[DrafterKind, ...] = (
         method="vllm_moa.drafters.eagle3.method:Eagle3Method",
         split="vllm_moa.drafters.eagle3.split:Eagle3Split",
         sizing="vllm_moa.drafters.presets:make_eagle3_config",
+        options=("draft_vocab",),
         label="EAGLE-3",
         alignment=(7, 0, 0.8),  # the training-time test: 7 steps, unmasked, weights 0.8^n
     ),

@@ -117,14 +117,22 @@ def make_griffin_config(target: TargetInfo, preset: str = "paper") -> GriffinCon
     return GriffinConfig(**fields, tgf_intermediate_size=fields["intermediate_size"])
 
 
-def make_eagle3_config(target: TargetInfo, preset: str = "paper") -> Eagle3Config:
+def make_eagle3_config(
+    target: TargetInfo, preset: str = "paper", draft_vocab: int | None = None
+) -> Eagle3Config:
     """EAGLE's layer of the same preset (its attention reading 2E), fc over the inputs of the
-    target layers `default_feature_layers` picks, and an LM head over the whole vocabulary."""
+    target layers `default_feature_layers` picks, and an LM head over the whole vocabulary, or
+    over `draft_vocab` tokens (EAGLE-3's reduced draft vocabulary, `train --draft-vocab`)."""
     fields = _eagle_fields(target, preset)
+    vocab = target.shape.vocab_size
+    if draft_vocab is not None and not 1 <= draft_vocab <= vocab:
+        raise ValueError(
+            f"--draft-vocab must lie in 1..{vocab} (the target's vocabulary), got {draft_vocab}"
+        )
     return Eagle3Config(
         **fields,
         feature_layers=default_feature_layers(target.shape.num_layers),
-        draft_vocab_size=target.shape.vocab_size,
+        draft_vocab_size=vocab if draft_vocab is None else draft_vocab,
     )
 
 

@@ -4,16 +4,19 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from torch import nn
 
 from vllm_moa.checkpoint import load_drafter, save_drafter
+from vllm_moa.drafters.eagle3.model import Eagle3Drafter
+from vllm_moa.drafters.eagle3.vocab import frequent_tokens
 from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.hf_target.info import load_target_info
 from vllm_moa.kinds import BY_NAME, KINDS, kind_of
 from vllm_moa.training.config import TrainConfig
+from vllm_moa.training.data import Example
 from vllm_moa.training.distributed import DistContext
 from vllm_moa.training.methods import DraftMethod
 from vllm_moa.training.trainer import Trainer
@@ -51,22 +54,56 @@ def method_for(drafter: nn.Module, target: HFTarget, feature_noise: float = 0.0)
 
 
 # `train` options a drafter kind's sizing may take (`DrafterKind.options`).
-OPTIONS = ("tli", "memory_source")
+OPTIONS = ("tli", "memory_source", "draft_vocab")
 
 
 def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
     if cfg.drafter is not None:
-        if cfg.head_init != "random":
-            raise ValueError(
-                "--head-init sets up a new drafter; --drafter continues from a trained one: "
-                "drop one of them"
-            )
+        for flag, given in (("--head-init", cfg.head_init != "random"),
+                            ("--draft-vocab", cfg.draft_vocab is not None)):  # fmt: skip
+            if given:
+                raise ValueError(
+                    f"{flag} sets up a new drafter; --drafter continues from a trained one: "
+                    "drop one of them"
+                )
         drafter = load_drafter(cfg.drafter, target=target.shape)
     else:
         drafter = new_drafter(cfg)
-        if cfg.head_init == "target":
+        # A reduced draft vocabulary's head rows are the target's rows of its tokens, known
+        # once the data is read (`prepare_drafter`).
+        if cfg.head_init == "target" and cfg.draft_vocab is None:
             init_head_from_target(drafter, target)
     return method_for(drafter, target, cfg.feature_noise)
+
+
+def trained_tokens(examples: Sequence[Example]) -> list[list[int]]:
+    """Each example's tokens the loss trains on (its loss mask; never the first token)."""
+    return [
+        [t for i, (t, m) in enumerate(zip(e.input_ids, e.loss_mask, strict=True)) if m and i]
+        for e in examples
+    ]
+
+
+def prepare_drafter(
+    method: DraftMethod, examples: Sequence[Example], cfg: TrainConfig, target: HFTarget
+) -> None:
+    """Before the first step, for a new drafter: `--draft-vocab N` sets EAGLE-3's reduced draft
+    vocabulary from the training examples' trained tokens (`drafters/eagle3/vocab.py`), then
+    `--head-init target` copies the target's rows of those tokens."""
+    if cfg.drafter is not None or cfg.draft_vocab is None:
+        return
+    drafter = method.model
+    assert isinstance(drafter, Eagle3Drafter)  # --draft-vocab is EAGLE-3's option (new_drafter)
+    config = drafter.config
+    if config.reduced_vocab:
+        vocab = frequent_tokens(trained_tokens(examples), config.vocab_size, cfg.draft_vocab)
+        drafter.set_draft_vocab(vocab.token_ids)
+        print(
+            f"draft vocabulary: the {cfg.draft_vocab} most frequent of {vocab.distinct} distinct "
+            f"trained tokens, {vocab.coverage:.2%} of the training data's trained tokens"
+        )
+    if cfg.head_init == "target":
+        init_head_from_target(drafter, target)
 
 
 def init_head_from_target(drafter: nn.Module, target: HFTarget) -> None:
@@ -93,6 +130,8 @@ def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Pat
         training |= {"align_steps": align.steps, "align_topk": align.topk}
         if align.decay != 1:
             training |= {"align_decay": align.decay}
+    if cfg.drafter is None and cfg.draft_vocab is not None:  # the vocabulary came from the data
+        training |= {"draft_vocab": cfg.draft_vocab}
     return save_drafter(method.model, out, training=training or None)
 
 
@@ -103,5 +142,12 @@ def make_trainer(
 ) -> Trainer:
     """The trainer of the drafter `cfg` names (or of `make_method`'s, for ablations), saving it
     with the training facts `generate --drafter` and vLLM read."""
-    build = make_method or (lambda target: build_method(cfg, target))
-    return Trainer(cfg, build, lambda method, out: save_method_drafter(method, out, cfg), dist)
+    if make_method is not None:
+        return Trainer(cfg, make_method, lambda m, out: save_method_drafter(m, out, cfg), dist)
+    return Trainer(
+        cfg,
+        lambda target: build_method(cfg, target),
+        lambda method, out: save_method_drafter(method, out, cfg),
+        dist,
+        prepare=lambda method, examples, target: prepare_drafter(method, examples, cfg, target),
+    )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_moa.training.losses import masked_kl, masked_smooth_l1
+from vllm_moa.training.losses import masked_kl, masked_smooth_l1, vocab_positions
 from vllm_moa.training.methods import AlignedPass, DraftForward
 
 
@@ -113,6 +113,11 @@ def aligned_loss(
     GRIFFIN paper's L^(n); decay 1 is its sum, EAGLE-3 weights pass n by 0.8^(n-1)). A later
     pass whose mask is empty adds nothing (pass 1 always counts, as without alignment)."""
     bases = [loss_mask if p.forward.valid is None else loss_mask & p.forward.valid for p in passes]
+    # A reduced draft vocabulary (EAGLE-3): every pass leaves out the positions whose target
+    # argmax is outside it (the authors' per-step target mask; it does not chain across passes).
+    bases = [
+        _in_vocab(b, target_logits, p.forward.vocab) for b, p in zip(bases, passes, strict=True)
+    ]
     masks = [b & p.mask for b, p in zip(bases, passes, strict=True)]
     counts = torch.stack([m.sum() for m in [*masks, *bases]]).tolist()  # device sync, once
     kept_counts, base_counts = counts[: len(passes)], counts[len(passes) :]
@@ -121,7 +126,7 @@ def aligned_loss(
     for n, (p, mask) in enumerate(zip(passes, masks, strict=True)):
         if n and not kept_counts[n]:
             continue
-        kl = masked_kl(target_logits, p.forward.logits, mask)
+        kl = masked_kl(target_logits, p.forward.logits, mask, p.forward.vocab)
         pairs = p.forward.features
         feature = sum(masked_smooth_l1(a, b, mask) for a, b in pairs) / max(1, len(pairs))
         terms.append(decay**n * (kl_weight * kl + feature_weight * feature))
@@ -132,3 +137,11 @@ def aligned_loss(
         loss = loss + term
     kept = sum(kept_counts) / max(1, sum(base_counts))
     return AlignedLoss(loss, kl_total, feature_total, int(base_counts[0]), kept)
+
+
+def _in_vocab(
+    mask: torch.Tensor, target_logits: torch.Tensor, vocab: torch.Tensor | None
+) -> torch.Tensor:
+    """`mask` [B, T] less the positions whose target argmax is outside a reduced `vocab`."""
+    positions = vocab_positions(target_logits, vocab)
+    return mask if positions is None else mask & positions

@@ -135,6 +135,16 @@ class TrainConfig:
             "authors') or from the target's (copied, then trained)",
         },
     )
+    draft_vocab: int | None = field(
+        default=None,
+        metadata={
+            "min": 1,
+            "help": "EAGLE-3: a new drafter's LM head covers only the N target tokens the "
+            "training data trains on most often (the authors' reduced draft vocabulary, their "
+            "draft_vocab_size; docs/eagle3.md); other tokens are never drafted. Default: the "
+            "whole vocabulary",
+        },
+    )
     feature_noise: float = field(
         default=0.1,
         metadata={"help": "EAGLE: uniform noise U(-a/2, a/2) on input features, a = this"},
@@ -229,6 +239,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1, got {self.draft_vocab}")
         if self.align_steps is not None and self.align_steps < 1:
             raise ValueError(f"align_steps must be >= 1, got {self.align_steps}")
         if self.align_topk is not None and self.align_topk < 0:

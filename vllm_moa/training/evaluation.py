@@ -16,7 +16,7 @@ from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.model.masks import bounded_memory_limits
 from vllm_moa.training.config import TrainConfig
 from vllm_moa.training.data import Example, collate
-from vllm_moa.training.losses import masked_kl
+from vllm_moa.training.losses import masked_kl, vocab_positions
 from vllm_moa.training.methods import DraftMethod
 from vllm_moa.training.schedule import response_tokens
 
@@ -62,9 +62,13 @@ def evaluate(
             sel = response & (stale == s)
             hits[s] += hit[sel].sum()
             counts[s] += sel.sum()
-        kl_total += masked_kl(
-            target_out.logits, out.logits, batch.loss_mask.to(target.device)
-        ).item()
+        # A reduced draft vocabulary (EAGLE-3): the KL the loss trains (restricted to it, at the
+        # positions whose target argmax lies in it); the agreement above counts the others as
+        # misses, as drafting would.
+        kl_mask = batch.loss_mask.to(target.device)
+        in_vocab = vocab_positions(target_out.logits, out.vocab)
+        kl_mask = kl_mask if in_vocab is None else kl_mask & in_vocab
+        kl_total += masked_kl(target_out.logits, out.logits, kl_mask, out.vocab).item()
         batches += 1
     agreement = (hits / counts.clamp_min(1)).tolist()
     return {

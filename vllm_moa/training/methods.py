@@ -26,6 +26,10 @@ class DraftForward:
     # (predicted, true) hidden-state pairs [B, T, E] for the feature loss (averaged)
     features: list[tuple[torch.Tensor, torch.Tensor]]
     valid: torch.Tensor | None = None  # [B, T] bool: positions the method predicts at all
+    # [V] bool: a reduced draft vocabulary (EAGLE-3's t2d; `logits` are -inf outside it). The
+    # loss then trains the target's distribution restricted to it, at the positions whose
+    # target argmax lies in it (losses.py `vocab_positions`, as the EAGLE-3 authors).
+    vocab: torch.Tensor | None = None
 
 
 @dataclass

@@ -28,7 +28,7 @@ from vllm_moa.training.data import Batch, Example, collate, epoch_batches, load_
 from vllm_moa.training.distributed import DistContext
 from vllm_moa.training.evaluation import evaluate
 from vllm_moa.training.feature_cache import FeatureCache
-from vllm_moa.training.losses import masked_kl, masked_smooth_l1
+from vllm_moa.training.losses import masked_kl, masked_smooth_l1, vocab_positions
 from vllm_moa.training.methods import DraftMethod
 from vllm_moa.training.schedule import (
     memory_limits,
@@ -85,7 +85,10 @@ def compute_loss(
     out = method.forward(batch, target_out, limits, sa_from, gen)
     if out.valid is not None:
         mask = mask & out.valid
-    kl = masked_kl(target_out.logits, out.logits, mask)
+    in_vocab = vocab_positions(target_out.logits, out.vocab)  # a reduced draft vocabulary
+    if in_vocab is not None:
+        mask = mask & in_vocab
+    kl = masked_kl(target_out.logits, out.logits, mask, out.vocab)
     feature = sum(masked_smooth_l1(p, t, mask) for p, t in out.features) / max(1, len(out.features))
     loss = cfg.kl_weight * kl + cfg.feature_weight * feature
     feature_value = float(feature.detach()) if isinstance(feature, torch.Tensor) else 0.0
@@ -112,11 +115,13 @@ class Trainer:
         make_method: Callable[[HFTarget], DraftMethod],
         save: Callable[[DraftMethod, Path], Path],
         dist: DistContext | None = None,
+        prepare: Callable[[DraftMethod, list[Example], HFTarget], None] | None = None,
     ) -> None:
         """`make_method` builds the training method on the loaded target and `save` writes its
         trained drafter to a directory: `vllm_moa.factories.methods.make_trainer` passes those of
         the drafter `cfg` names (cfg.drafter / cfg.method); ablations outside the product's
-        methods pass their own."""
+        methods pass their own. `prepare` readies the new drafter from the training examples
+        before any step (EAGLE-3's reduced draft vocabulary, `--draft-vocab`)."""
         from transformers import AutoTokenizer
 
         self.cfg = cfg
@@ -132,6 +137,8 @@ class Trainer:
         self.eval_examples: list[Example] = examples[len(examples) - held :]
         self.pad_id = tokenizer.pad_token_id or 0
         self.method = make_method(self.target)
+        if prepare is not None:
+            prepare(self.method, self.train_examples, self.target)
         # The run's token alignment resolved (the drafter kind's recipe where no flag was given),
         # so train_config.json records what the run did.
         self.cfg = cfg = cfg.with_alignment(kind_of(self.method.model).alignment)
