@@ -13,9 +13,35 @@ from tests.vllm_integration.test_vllm_offline import PROMPTS
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
+DRAFT_VOCAB = 256  # of the test target's 512: EAGLE-3's reduced draft vocabulary
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_exported_eagle_in_vllm_equals_standalone(moa_pair, request, tmp_path, method):
+
+@pytest.fixture(scope="session")
+def eagle3_reduced_drafter(moa_pair):
+    """An EAGLE-3 drafter with a reduced draft vocabulary (`train --draft-vocab`), trained as
+    the other baselines and cached beside the test target."""
+    import time
+
+    from tests.vllm_integration.conftest import train_briefly
+    from vllm_moa.tiny import stdlib_sources
+
+    run = moa_pair["target"].parent / f"eagle3_vocab{DRAFT_VOCAB}"
+    if not (run / ".complete").exists():
+        corpus = stdlib_sources(400_000)
+        train_briefly(moa_pair["target"], run, corpus, method="eagle3", draft_vocab=DRAFT_VOCAB)
+        (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+    return run / "drafter"
+
+
+@pytest.mark.parametrize(
+    "method, fixture",
+    [
+        ("eagle", "eagle_drafter"),
+        ("eagle3", "eagle3_drafter"),
+        ("eagle3", "eagle3_reduced_drafter"),  # d2t / t2d: vLLM's draft_id_to_target_id
+    ],
+)
+def test_exported_eagle_in_vllm_equals_standalone(moa_pair, request, tmp_path, method, fixture):
     from vllm import SamplingParams
 
     from vllm_moa.checkpoint import load_drafter
@@ -24,10 +50,15 @@ def test_exported_eagle_in_vllm_equals_standalone(moa_pair, request, tmp_path, m
     from vllm_moa.factories.proposers import make_proposer
     from vllm_moa.hf_target.adapter import HFTarget
 
-    eagle_drafter = request.getfixturevalue(f"{method}_drafter")
+    eagle_drafter = request.getfixturevalue(fixture)
     assert vllm_method_of(eagle_drafter) == method
     k, max_tokens = 4, 32
     exported = export_vllm_eagle(eagle_drafter, moa_pair["target"], tmp_path / "vllm_eagle")
+    if fixture == "eagle3_reduced_drafter":
+        import json
+
+        config = json.loads((exported / "config.json").read_text())
+        assert config["draft_vocab_size"] == DRAFT_VOCAB < config["vocab_size"]
     llm = make_llm(moa_pair["target"], exported, k=k, method=method)
     tokenizer = llm.get_tokenizer()
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS[:6]]
