@@ -1,23 +1,27 @@
 """A damaged drafter checkpoint is refused in one line naming the file, the defect and the fix
-(vllm_moa/checkpoint/io.py), by load_drafter and by the server's header-only check alike.
+(vllm_moa/checkpoint/io.py), by load_drafter and by the server's header-only check alike; so is
+a damaged copy of the MoA authors' release by `vllm-moa convert-official`
+(vllm_moa/checkpoint/official.py).
 
 Every case damages a copy of one well-formed checkpoint in one way, is refused, and then loads
-once the damaged file is copied back from the original (its control: the refusal is the
-defect's alone); the original itself loads and drafts exactly as the drafter that wrote it.
+(converts) once the damaged file is copied back from the original (its control: the refusal is
+the defect's alone); the original itself loads and drafts exactly as the drafter that wrote it.
 """
 
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import OracleMoAProposer, make_drafter
 from safetensors.torch import load_file, save_file
 
-from vllm_moa.checkpoint import load_drafter, save_drafter
+from vllm_moa.checkpoint import ConvertOptions, convert_official, load_drafter, save_drafter
 from vllm_moa.checkpoint.io import CONFIG_NAME, WEIGHTS_NAME
 from vllm_moa.checkpoint.validate import DrafterCheckError, check_drafter_dir
+from vllm_moa.cli.main import main
 from vllm_moa.decoding import SpeculativeEngine
 
 DELETE = object()  # a config value marking its key for deletion
@@ -122,6 +126,14 @@ CONFIG_CASES = {
     "truncated": (
         _cut(CONFIG_NAME, lambda n: n // 2),
         r"config.json is not valid JSON \(.*\): truncated or damaged; copy it again",
+    ),
+    "empty": (
+        lambda d: (d / CONFIG_NAME).write_text(""),
+        r"config.json is not valid JSON \(Expecting value.*\): truncated or damaged; copy it",
+    ),
+    "not_text": (
+        lambda d: (d / CONFIG_NAME).write_bytes(b"\xff\xfe{garbled"),
+        r"cannot read .*config.json as text \('utf-8' codec can't decode .*\); copy it again",
     ),
     "not_an_object": (
         lambda d: (d / CONFIG_NAME).write_text("[1, 2]"),
@@ -278,3 +290,92 @@ def test_other_float_weights_load_cast_to_the_dtype_asked_for(
         for name, t in loaded.state_dict().items():
             assert t.dtype == (dtype or torch.float32)
             assert torch.equal(t, as_stored[name].to(t.dtype)), name
+
+
+# -- the authors' release, as `vllm-moa convert-official` reads it ----------------------------
+
+RELEASE = Path(__file__).parent / "data" / "official" / "lsa64" / "release_training"
+AGAIN = "copy or download the release again"  # the config and weights files named as ours
+
+
+RELEASE_CASES = {
+    "config_truncated": (
+        _cut(CONFIG_NAME, lambda n: n // 2),
+        rf"config.json is not valid JSON \(.*\): truncated or damaged; {AGAIN}",
+    ),
+    "config_not_text": (  # was: the codec's error, naming no file
+        lambda d: (d / CONFIG_NAME).write_bytes(b"\xff\xfe{garbled"),
+        rf"cannot read .*config.json as text \('utf-8' codec .*\): damaged; {AGAIN}",
+    ),
+    "config_not_an_object": (  # was: an AttributeError's traceback
+        lambda d: (d / CONFIG_NAME).write_text("[1, 2]"),
+        r"config.json holds a JSON list, not an object: not a release's config.json; pass the",
+    ),
+    "string_for_int": (
+        _config(hidden_size="64"),
+        rf"config.json: hidden_size must be an integer, got '64'; correct it there or {AGAIN}",
+    ),
+    "fraction_for_int": (  # was: truncated to 1, then refused as a wrong --target
+        _config(num_key_value_heads=1.5),
+        r"config.json: num_key_value_heads must be an integer, got 1.5;",
+    ),
+    "null_for_int": (  # was: int()'s error, naming no key or file
+        _config(vocab_size=None),
+        r"vocab_size must be an integer, got None",
+    ),
+    "zero_heads": (  # was: a ZeroDivisionError's traceback
+        _config(num_attention_heads=0),
+        r"config.json: num_attention_heads must be positive, got 0;",
+    ),
+    "nan_eps": (  # converted, then refused by load_drafter with a training run's advice
+        _config(rms_norm_eps=math.nan),
+        rf"config.json: rms_norm_eps must be a finite number, got nan; correct it there or {AGAIN}",
+    ),
+    "inf_theta": (  # as nan_eps
+        _config(rope_theta=math.inf),
+        r"rope_theta must be a finite number, got inf",
+    ),
+    "integer_tensor": (  # was: loaded into float parameters, then torch's error naming no file
+        _retyped("Ekv2E.weight", torch.int32),
+        r"model.safetensors: 1 of 29 tensors are not float32 / bfloat16 / float16 / float64: "
+        r"Ekv2E.weight \(int32\); .* a quantized or foreign checkpoint, which is not cast",
+    ),
+    "integer_inner_tensor": (  # was: converted silently, the integers cast to floats
+        _retyped("self_attention.mlp.up_proj.weight", torch.int8),
+        r"1 of 29 .*: self_attention.mlp.up_proj.weight \(int8\);",
+    ),
+    "fp8_tensor": (  # was: written as an fp8 drafter that load_drafter refuses
+        _retyped("Ekv2E.weight", torch.float8_e4m3fn),
+        r"Ekv2E.weight \(float8_e4m3fn\);",
+    ),
+    "nan_weight": (  # was: converted, then refused by load_drafter with a training run's advice
+        _poisoned({"self_attention.mlp.up_proj.weight": [math.nan]}),
+        rf"model.safetensors: 1 of 29 tensors hold NaN or Inf: self_attention.mlp.up_proj.weight; "
+        rf"a damaged copy: {AGAIN}",
+    ),
+    "inf_weight": (_poisoned({"Ekv2E.bias": [-math.inf]}), r"hold NaN or Inf: Ekv2E.bias;"),
+}
+
+
+@pytest.mark.parametrize("case", RELEASE_CASES)
+def test_a_damaged_release_is_refused_by_convert_official(case, tmp_path):
+    """Refused naming the file, before anything is written; with the damaged file copied back
+    the same directory converts to a drafter that loads (the control)."""
+    damage, message = RELEASE_CASES[case]
+    d = _damaged_copy(RELEASE, tmp_path, damage)
+    options, out = ConvertOptions(tli=0), tmp_path / "converted"
+    assert str(d) in _refused(lambda: convert_official(d, out, options), message)
+    assert not out.exists()
+    for name in (CONFIG_NAME, WEIGHTS_NAME):
+        shutil.copy(RELEASE / name, d / name)
+    assert load_drafter(convert_official(d, out, options)).config.tli == 0
+
+
+def test_convert_official_reports_a_damaged_release_in_one_line(tmp_path, capsys):
+    """Through the CLI: one error line naming the file (a JSON list was an AttributeError's
+    traceback)."""
+    d = _damaged_copy(RELEASE, tmp_path, RELEASE_CASES["config_not_an_object"][0])
+    assert main(["convert-official", str(d), str(tmp_path / "o"), "--tli", "0"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("vllm-moa convert-official: error:") and "\n" not in err
+    assert f"{d / CONFIG_NAME} holds a JSON list" in err

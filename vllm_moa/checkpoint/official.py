@@ -16,12 +16,16 @@ over the layer index) and the target's RoPE scaling in SA only, as their trainin
 (their vLLM fork scales all three; docs/official_checkpoints.md). Neither layout records TLI
 (--tli), and the moa_spec layout not the target's layer count (--target). Refused, with one line
 naming the fact: attention biases (Qwen2 releases), `disable_LSA`, RoPE scaling whose frequencies
-change with the sequence length, and a release that contradicts the target.
+change with the sequence length, and a release that contradicts the target; and, naming the file,
+a damaged release: a config.json that is not a JSON object or holds a size that is not an
+integer or a NaN / Inf number, tensors that are not floating point (never cast: an integer or fp8
+tensor means a quantized or foreign checkpoint) or that hold NaN / Inf.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +52,9 @@ _ATTN_ALIASES = {
 _SIZES = ("_num_key_value_heads", "_intermediate_size")
 # config.json keys recording TLI (neither release layout writes one; ours and their argument's).
 _TLI_KEYS = ("tli", "target_layer_inference")
+# The dtypes a release's tensors may have (the converted drafter keeps them); others are refused.
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_AGAIN = "copy or download the release again"
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,30 @@ class ReleaseConfig:
 def _int(cfg: dict[str, Any], key: str, path: Path, layout: str) -> int:
     if key not in cfg:
         raise ValueError(f"{path} ({layout} layout) lacks {key!r}")
-    return int(cfg[key])
+    value = _whole(cfg[key], key, path)
+    if value <= 0:  # a size or a count
+        raise ValueError(
+            f"{path}: {key} must be positive, got {value}; correct it there or {_AGAIN}"
+        )
+    return value
+
+
+def _whole(value: Any, key: str, path: Path) -> int:
+    """`value`, the integer config.json gives `key`, or a ValueError naming both."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"{path}: {key} must be an integer, got {value!r}; correct it there or {_AGAIN}"
+        )
+    return value
+
+
+def _finite(value: Any, key: str, path: Path) -> float:
+    """`value`, the finite number config.json gives `key`, or a ValueError naming both."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(
+            f"{path}: {key} must be a finite number, got {value!r}; correct it there or {_AGAIN}"
+        )
+    return float(value)
 
 
 def _rope_scaling(
@@ -100,24 +130,39 @@ def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
     theta = cfg.get("rope_theta", params.get("rope_theta") if isinstance(params, dict) else None)
     if theta is None:
         raise ValueError(f"{path} lacks 'rope_theta' (the target's RoPE base the drafter uses)")
-    return float(theta)
+    return _finite(theta, "rope_theta", path)
 
 
-def _recorded_tli(cfg: dict[str, Any]) -> int | None:
+def _recorded_tli(cfg: dict[str, Any], path: Path) -> int | None:
     for key in _TLI_KEYS:
         if key in cfg:
-            return int(cfg[key])
+            return _whole(cfg[key], key, path)
     return None
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or a ValueError naming the file and the defect."""
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"{path} is not valid JSON ({e}): truncated or damaged; {_AGAIN}"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read {path} as text ({e}): damaged; {_AGAIN}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(
+            f"{path} holds a JSON {type(cfg).__name__}, not an object: not a release's "
+            "config.json; pass the directory of the MoA authors' release"
+        )
+    return cfg
 
 
 def read_release_config(src: Path) -> ReleaseConfig:
     path = src / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json")
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from None
+    cfg = _read_json_object(path)
     if cfg.get("disable_LSA"):
         raise ValueError(f"{path} sets disable_LSA: a drafter without LSA is not a MoA drafter")
     if cfg.get("model_type") == MOA_SPEC:
@@ -131,12 +176,17 @@ def read_release_config(src: Path) -> ReleaseConfig:
         )
     hidden, theta = _int(cfg, "hidden_size", path, layout), _rope_theta(cfg, path)
     heads = _int(cfg, "num_attention_heads", path, layout)
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = _whole(cfg.get("head_dim") or hidden // heads, "head_dim", path)
     if layout == MOA_SPEC:
         kv_width, odd = divmod(_int(cfg, "kv_hidden_size", path, layout), 2)
-        stated = {k: int(v) for k, v in cfg.items() if k.startswith(BLOCKS) and k.endswith(_SIZES)}
+        stated = {
+            k: _whole(v, k, path)
+            for k, v in cfg.items()
+            if k.startswith(BLOCKS) and k.endswith(_SIZES)
+        }
     else:
-        kv_width, odd = int(cfg.get("num_key_value_heads") or heads) * head_dim, 0
+        kv_heads = _whole(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", path)
+        kv_width, odd = kv_heads * head_dim, 0
         stated = {}
     if odd or kv_width % head_dim:
         raise ValueError(
@@ -153,9 +203,9 @@ def read_release_config(src: Path) -> ReleaseConfig:
         vocab_size=_int(cfg, "vocab_size", path, layout),
         rope_theta=theta,
         rope_scaling=_rope_scaling(cfg, path, hidden // heads, theta),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rms_norm_eps=_finite(cfg.get("rms_norm_eps", 1e-5), "rms_norm_eps", path),
         num_layers=num_layers,
-        tli=_recorded_tli(cfg),
+        tli=_recorded_tli(cfg, path),
         stated=stated,
     )
 
@@ -222,8 +272,30 @@ def _read_weights(src: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"{src} has no *.safetensors files")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_state_dict(f))
+        tensors = load_state_dict(f)
+        _check_weights(tensors, f)
+        state.update(tensors)
     return state
+
+
+def _check_weights(state: dict[str, torch.Tensor], file: Path) -> None:
+    """Refuse tensors the converted drafter could not use as written: not floating point (never
+    cast) or holding NaN / Inf (the converted drafter would not load), naming the first three."""
+    other = [n for n, t in sorted(state.items()) if t.dtype not in _FLOAT_DTYPES]
+    if other:
+        named = ", ".join(f"{n} ({str(state[n].dtype).removeprefix('torch.')})" for n in other[:3])
+        raise ValueError(
+            f"{file}: {len(other)} of {len(state)} tensors are not float32 / bfloat16 / float16 / "
+            f"float64: {named}{', ...' if len(other) > 3 else ''}; the authors' releases are "
+            "floating point (an integer or fp8 tensor: a quantized or foreign checkpoint, which is "
+            "not cast): pass the release as published"
+        )
+    bad = [n for n, t in sorted(state.items()) if not bool(torch.isfinite(t).all())]
+    if bad:
+        raise ValueError(
+            f"{file}: {len(bad)} of {len(state)} tensors hold NaN or Inf: {', '.join(bad[:3])}"
+            f"{', ...' if len(bad) > 3 else ''}; a damaged copy: {_AGAIN}"
+        )
 
 
 def _rename(key: str) -> str | None:
