@@ -16,7 +16,8 @@ synchronous, so host timers around the functions a phase calls measure them:
   from the paged caches (`read_kv`), LSA and the SA / memory K/V projections (`rows_math`), the
   pages written), the draft steps (`MoADraftCore.draft`), and in them the drafter's step (SA +
   CA: one compiled graph), the target's LM head and embedding; with the proposer eager, also
-  SA and CA apart, and the paged attention calls (`attend`: SA's and CA's, `write`: SA's rows);
+  SA and CA apart (`step_glue`: the step's rest), and the paged attention calls (`attend`: SA's
+  and CA's, `write`: SA's rows);
 - EAGLE: vLLM's `EagleProposer.propose`, and in it the drafter's LM head (`compute_logits`).
 
 "other" is the phase's time outside the timed parts (the adapter's bookkeeping, uploads,
@@ -137,7 +138,17 @@ def run_prompt(engine: Any, prompt: str, params: Any, tag: str) -> list[dict[str
 
 PARTS = {  # reported parts of a draft phase, per arm kind, in plot order
     "moa": ["read_kv", "rows_math", "rows_write", "drafter_step", "lm_head", "embed", "other"],
-    "moa_eager": ["read_kv", "rows_math", "rows_write", "sa", "ca", "lm_head", "embed", "other"],
+    "moa_eager": [
+        "read_kv",
+        "rows_math",
+        "rows_write",
+        "sa",
+        "ca",
+        "step_glue",
+        "lm_head",
+        "embed",
+        "other",
+    ],
     "eagle": ["eagle_layers", "lm_head", "other"],
 }
 
@@ -148,14 +159,13 @@ def summarise(arm: str, steps: list[dict[str, float]], k: int) -> dict[str, Any]
     def part(s: dict[str, float], name: str) -> float:
         if name == "rows_write":  # the page stores' writes of the rows
             return s.get("rows", 0) - s.get("read_kv", 0) - s.get("rows_math", 0)
+        if name == "step_glue":  # the drafter's step outside SA and CA (slots, casts)
+            return s.get("drafter_step", 0) - s.get("sa", 0) - s.get("ca", 0)
         if name == "eagle_layers":
             return s.get("eagle_propose", 0) - s.get("lm_head", 0)
         if name == "other":
             timed_parts = [p for p in PARTS[kind_of(arm)] if p != "other"]
-            inside = sum(part(s, p) for p in timed_parts)
-            if kind_of(arm) == "moa_eager":  # sa + ca are the drafter step's, by block
-                inside += s.get("drafter_step", 0) - s.get("sa", 0) - s.get("ca", 0)
-            return s.get("phase", 0) - inside
+            return s.get("phase", 0) - sum(part(s, p) for p in timed_parts)
         return s.get(name, 0)
 
     if arm != "plain":
