@@ -10,8 +10,6 @@ from pathlib import Path
 from torch import nn
 
 from vllm_moa.checkpoint import load_drafter, save_drafter
-from vllm_moa.drafters.eagle3.model import Eagle3Drafter
-from vllm_moa.drafters.eagle3.vocab import frequent_tokens
 from vllm_moa.hf_target.adapter import HFTarget
 from vllm_moa.hf_target.info import load_target_info
 from vllm_moa.kinds import BY_NAME, KINDS, kind_of
@@ -93,11 +91,10 @@ def prepare_drafter(
     if cfg.drafter is not None or cfg.draft_vocab is None:
         return
     drafter = method.model
-    assert isinstance(drafter, Eagle3Drafter)  # --draft-vocab is EAGLE-3's option (new_drafter)
-    config = drafter.config
-    if config.reduced_vocab:
-        vocab = frequent_tokens(trained_tokens(examples), config.vocab_size, cfg.draft_vocab)
-        drafter.set_draft_vocab(vocab.token_ids)
+    # --draft-vocab is an option of the kinds whose drafters choose one (new_drafter refuses it
+    # for the others): EAGLE-3's `choose_draft_vocab`.
+    vocab = drafter.choose_draft_vocab(trained_tokens(examples))  # type: ignore[operator]
+    if vocab is not None:
         print(
             f"draft vocabulary: the {cfg.draft_vocab} most frequent of {vocab.distinct} distinct "
             f"trained tokens, {vocab.coverage:.2%} of the training data's trained tokens"

@@ -4,7 +4,7 @@ the target's vocabulary or EAGLE-3's reduced draft vocabulary (the `d2t` / `t2d`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -12,6 +12,7 @@ from torch import nn
 
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle3.config import Eagle3Config
+from vllm_moa.drafters.eagle3.vocab import DraftVocab, frequent_tokens
 from vllm_moa.drafters.token_layers import TokenLayerConfig
 from vllm_moa.model.layers import Attend, Attention, DecoderBlock, RMSNorm
 
@@ -104,6 +105,16 @@ class Eagle3Drafter(EagleDrafter):
         if self.d2t is None:
             return torch.arange(self.config.vocab_size, device=self.lm_head.weight.device)
         return torch.arange(self.d2t.shape[0], device=self.d2t.device) + self.d2t
+
+    def choose_draft_vocab(self, trained: Iterable[Sequence[int]]) -> DraftVocab | None:
+        """Set the reduced draft vocabulary from the training data's trained tokens (each
+        example's; `vocab.frequent_tokens`), returned; None when the head covers the whole
+        vocabulary (nothing to choose)."""
+        if not self.config.reduced_vocab:
+            return None
+        vocab = frequent_tokens(trained, self.config.vocab_size, self.config.draft_vocab_size)
+        self.set_draft_vocab(vocab.token_ids)
+        return vocab
 
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """Install the draft vocabulary: `token_ids` int [draft_vocab_size], the target ids of
