@@ -11,17 +11,42 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Tests of the speculative machinery run at a fixed K (drafting every cycle); the tests of
-# adaptive speculation (test_adaptive.py, vllm_integration/test_vllm_adaptive.py) turn it on.
-os.environ.setdefault("VLLM_MOA_ADAPTIVE", "0")
-
 import pytest
 
-from vllm_moa.adaptive import StepCosts
+from vllm_moa.adaptive import ADAPTIVE_ENV, StepCosts
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.drafters.presets import TargetInfo, make_config
 from vllm_moa.hf_target import HFTarget
+
+# What the suite tests is the default configuration (adaptive speculation) unless a test says
+# otherwise: a shell's VLLM_MOA_ADAPTIVE never reaches a test or the processes it starts.
+os.environ.pop(ADAPTIVE_ENV, None)
+
+
+def _set_mode(mp: pytest.MonkeyPatch, node: pytest.Item | pytest.Collector) -> None:
+    """`fixed_k` (on the test, its class or module): VLLM_MOA_ADAPTIVE=0, K drafts every cycle;
+    else the default, adaptive."""
+    if node.get_closest_marker("fixed_k") is not None:
+        mp.setenv(ADAPTIVE_ENV, "0")
+    else:
+        mp.delenv(ADAPTIVE_ENV, raising=False)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _module_speculation_mode(request: pytest.FixtureRequest):
+    """The module's mode while its module-scoped fixtures (engines made once for several tests)
+    are built: autouse fixtures come first in their scope. Restored after the module."""
+    with pytest.MonkeyPatch.context() as mp:
+        _set_mode(mp, request.node)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _speculation_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """Each test's mode (its own marker first), set and restored around it; subprocesses the test
+    starts inherit it."""
+    _set_mode(monkeypatch, request.node)
 
 
 def make_hf_model(

@@ -30,7 +30,7 @@ K = 4
 
 @pytest.fixture(autouse=True)
 def adaptive_allowed(monkeypatch):
-    """tests/conftest.py sets VLLM_MOA_ADAPTIVE=0 (fixed K) for the other tests."""
+    """The default mode, said explicitly: this module tests the adaptive rule itself."""
     monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
 
 

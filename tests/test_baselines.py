@@ -36,6 +36,9 @@ from vllm_moa.model.masks import bounded_memory_limits
 from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 VOCAB = 12  # small, so random drafts are often right and every acceptance path runs
 PROMPTS = [[1, 5, 3], [7] * 9, list(range(12)) * 2]
 KINDS = ["eagle", "griffin", "eagle3", "independent"]

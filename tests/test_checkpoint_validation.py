@@ -24,6 +24,9 @@ from vllm_moa.checkpoint.validate import DrafterCheckError, check_drafter_dir
 from vllm_moa.cli.main import main
 from vllm_moa.decoding import SpeculativeEngine
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 DELETE = object()  # a config value marking its key for deletion
 BLOCKS = ("cross_attention", "layer_self_attention", "self_attention")
 NORMS = ("input", "post_attention")

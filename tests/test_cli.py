@@ -73,7 +73,7 @@ def test_generate_json_plain_and_speculative_agree(
     assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
     assert len(spec["token_ids"]) == 12 and len(spec["accepted_length_histogram"]) == 4
     assert plain["mean_accepted_length"] == 1.0
-    # Adaptive by default (the suite sets VLLM_MOA_ADAPTIVE=0); --no-adaptive: K every cycle.
+    # Adaptive by default (said explicitly); --no-adaptive: K every cycle.
     monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")
     drafting = [*base, "--drafter", drafter_dir, "--num-speculative-tokens", "3"]
     code, out, _ = run_cli(capsys, *drafting, "--no-adaptive")

@@ -33,6 +33,9 @@ from vllm_moa.training.data import Example, collate
 from vllm_moa.training.losses import masked_kl, vocab_positions
 from vllm_moa.training.methods import AlignedPass, DraftForward
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 VOCAB = 24
 DRAFT_VOCAB = 10  # of 24: the target's continuations use more tokens, so some fall outside
 PROMPTS = [[1, 5, 3], [7] * 9, list(range(12)) * 2]

@@ -8,6 +8,9 @@ from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.drafters.moa.proposer import MoAProposer
 from vllm_moa.hf_target import HFTarget
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 PROMPTS = [
     torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     for n in (1, 4, 11, 23, 40)

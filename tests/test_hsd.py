@@ -22,6 +22,9 @@ from vllm_moa.drafters.presets import TargetInfo, make_eagle_config, make_indepe
 from vllm_moa.hf_target import HFTarget
 from vllm_moa.hsd.hierarchy import Block, HierarchicalEngine, Level
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 PROMPTS = [
     torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist()
     for n in (4, 11, 23)

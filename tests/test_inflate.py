@@ -33,6 +33,9 @@ from vllm_moa.drafters.presets import (
 )
 from vllm_moa.hf_target import HFTarget
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 WIDE = dict(hidden=256, intermediate=640, heads=8)  # from E=128, MLP 256, 4 heads of 32
 ATOL = RTOL = 1e-4
 CONTROL_MARGIN = 50 * ATOL  # a control must move some output by at least this

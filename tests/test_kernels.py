@@ -10,6 +10,9 @@ import torch
 
 from tests.deps import need
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 need("triton")
 
 from vllm_moa.kernels.layer_attention import layer_attention, layer_attention_ref  # noqa: E402

@@ -7,6 +7,9 @@ from conftest import OracleMoAProposer, make_drafter
 from vllm_moa.decoding import SamplingParams, SpeculativeEngine
 from vllm_moa.hf_target import HFTarget
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 # fp32 tiny models; incremental vs recomputed differ by summation order only.
 TOL = dict(atol=1e-4, rtol=1e-4)
 PROMPT = [3, 17, 99, 42, 7, 250, 8, 61, 5]

@@ -21,6 +21,9 @@ from vllm_moa.decoding import NgramProposer, SamplingParams, SpeculativeEngine, 
 from vllm_moa.decoding.ngram_proposer import lookup
 from vllm_moa.hf_target import HFTarget
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 
 @pytest.mark.parametrize(
     "tokens, k, expected",

@@ -17,6 +17,9 @@ from vllm_moa.drafters.independent.model import IndependentDrafter
 from vllm_moa.drafters.presets import make_independent_config
 from vllm_moa.model.target_info import TargetInfo
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 
 @dataclasses.dataclass(frozen=True)
 class OneLayerConfig(IndependentConfig):

@@ -43,6 +43,9 @@ from vllm_moa.remote.server import BackgroundServer, ServerLimits
 from vllm_moa.remote.split import ServerHalf, fingerprint
 from vllm_moa.remote.verifier import Verifier
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 # -- the wire format ---------------------------------------------------------------------------
 
 

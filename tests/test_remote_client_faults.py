@@ -28,7 +28,7 @@ VOCAB = 256  # the test pair's
 STALL_S = 3.0  # the client's socket timeout: a silent server is given up after it
 
 pair, plain = test_remote.pair, test_remote.plain  # its module-scoped fixtures, built here once
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60), pytest.mark.fixed_k]
 
 
 @dataclass

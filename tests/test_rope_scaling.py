@@ -33,6 +33,9 @@ from vllm_moa.hf_target.info import load_target_info, rope_theta_of
 from vllm_moa.model.layers import Attention
 from vllm_moa.model.rope import rope_cos_sin
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 ORIGINAL = 16  # the tiny targets' pretraining length: scaling matters past it
 THETA = 500000.0  # Llama-3's base
 LLAMA3 = {

@@ -97,6 +97,7 @@ def test_forward_batch_matches_single_sequences(llama_target):
 
 
 @pytest.mark.parametrize("tli", [0, 1, 2])
+@pytest.mark.fixed_k  # every cycle drafts K: each inference draft is compared
 def test_training_forward_equals_inference_drafts(llama_target, tli):
     """The training forward (K-bounded masks, aligned TLI tail) reproduces, token for token,
     the logits the incremental proposer drafted at inference (where the drafts were accepted)."""

@@ -12,6 +12,9 @@ from vllm_moa.decoding.tree import (
     verify_tree_sampling,
 )
 
+# The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
+pytestmark = pytest.mark.fixed_k
+
 T, F = True, False
 # root -> a(0), b(1); a -> c(2), d(3); c -> e(4)
 TREE = DraftTree(

@@ -29,8 +29,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.vllm)
 
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vLLM in this process (engines made by the tests), whatever the shell says; a test that starts
+# vLLM in a subprocess (TP workers, `vllm serve`) sets these for it explicitly.
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
 
 # What builds the cached pair: a change to any of it (or another torch) builds a new one.
 PAIR_SOURCES = ("tests/vllm_integration/conftest.py", "vllm_moa/tiny.py", "vllm_moa/model",

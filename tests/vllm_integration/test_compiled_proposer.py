@@ -15,7 +15,7 @@ from vllm_moa.vllm_plugin.compiled import Compiled, compile_wanted
 from vllm_moa.vllm_plugin.drafting import page_rows, paged_draft_step, widen
 from vllm_moa.vllm_plugin.paged_attention import CpuPagedKV, bind_stores
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 BLOCKS, BLOCK_SIZE = 24, 16
 

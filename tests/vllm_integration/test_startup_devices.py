@@ -23,7 +23,7 @@ from vllm_moa.vllm_plugin.drafting import page_rows, paged_draft_step, warm_up
 from vllm_moa.vllm_plugin.paged_attention import TorchPagedKV
 from vllm_moa.vllm_plugin.pages import DrafterPages
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.fixed_k]  # K every step
 
 
 class OneDevice(TorchDispatchMode):

@@ -52,7 +52,7 @@ def drafting(moa_pair, drafter, plain, **spec_keys) -> tuple[float, int]:
 
 def test_a_drafter_that_never_matches_stops_drafting(moa_pair, random_drafter, plain,
                                                      monkeypatch):  # fmt: skip
-    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")  # the default (tests set 0: tests/conftest.py)
+    monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "1")  # the default, said explicitly
     adaptive, _ = drafting(moa_pair, random_drafter, plain)
     monkeypatch.setenv("VLLM_MOA_ADAPTIVE", "0")
     fixed, accepted = drafting(moa_pair, random_drafter, plain)

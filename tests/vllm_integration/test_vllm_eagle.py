@@ -11,7 +11,7 @@ import torch
 from tests.vllm_integration.conftest import make_llm, spec_metrics
 from tests.vllm_integration.test_vllm_offline import PROMPTS
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 DRAFT_VOCAB = 256  # of the test target's 512: EAGLE-3's reduced draft vocabulary
 

@@ -15,7 +15,7 @@ import pytest
 from tests.vllm_integration.conftest import run_script
 from tests.vllm_integration.test_vllm_offline import PROMPTS
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 SCRIPT = """
 import json, sys

@@ -9,7 +9,7 @@ import pytest
 
 from tests.vllm_integration.conftest import greedy, make_llm, spec_metrics
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 PROMPTS = ["def fibonacci(n):\n", "import os\n\ndef read_file(path):\n", "for i in range(10):\n"]
 

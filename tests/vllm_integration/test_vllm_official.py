@@ -16,7 +16,7 @@ import pytest
 from tests.vllm_integration.conftest import greedy, make_llm
 from tests.vllm_integration.test_vllm_offline import _reference_chains
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 FIXTURES = Path(__file__).resolve().parents[1] / "data" / "official"
 PROMPTS = [[1, 5, 9, 13, 17, 21, 25, 29], [2, 4, 8, 16, 32, 3, 6], [7, 7, 7, 11, 11, 11]]

@@ -15,7 +15,7 @@ from tests.vllm_integration.conftest import (
     spec_metrics,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 PROMPTS = [
     "def fibonacci(n):\n",

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.fixed_k]  # K every step
 
 
 def test_entry_point_is_registered():

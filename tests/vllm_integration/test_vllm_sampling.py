@@ -20,7 +20,7 @@ import torch
 
 from tests.vllm_integration.conftest import make_llm, spec_metrics
 
-pytestmark = [pytest.mark.vllm]
+pytestmark = [pytest.mark.vllm, pytest.mark.fixed_k]  # K every step
 
 PROMPT = "def parse(text):\n    "
 SAMPLES_PER_GROUP = 300

@@ -15,7 +15,7 @@ import pytest
 
 from tests.vllm_integration.conftest import check_drafts_equal_standalone
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 WINDOW = 16
 PROMPTS = [

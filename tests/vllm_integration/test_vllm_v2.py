@@ -20,7 +20,7 @@ from tests.vllm_integration.conftest import run_script
 from tests.vllm_integration.test_vllm_offline import PROMPTS, _reference_chains
 from vllm_moa.vllm_plugin import patches
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
 # Runs engines one after another in one process: {"target", "prompts", "runs": [{"spec",
 # "trace", "env", "setup", "kwargs", "params", "repeat"}]} -> per run its outputs (per pass) and
