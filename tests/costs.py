@@ -7,12 +7,18 @@ from vllm_moa.adaptive import StepCosts
 
 
 def fixed_costs(
-    draft_step: float, verify_base: float = 0.02, verify_per_token: float = 0.0001
+    draft_step: float,
+    verify_base: float = 0.02,
+    verify_per_token: float = 0.0001,
+    fixed_prefill: bool = False,
 ) -> type[StepCosts]:
     """A `StepCosts` class that learns a draft step of `draft_step` seconds and a verify step of
     `verify_base + verify_per_token * tokens` seconds whatever it is told was measured. Replace
     the class where the engine under test makes its cost model (e.g. `monkeypatch.setattr(
-    proposer, "StepCosts", fixed_costs(0.001))`); in a vLLM process, from a setup string."""
+    proposer, "StepCosts", fixed_costs(0.001))`); in a vLLM process, from a setup string.
+    `fixed_prefill`: prompt steps are learnt at the verify step's line too (by default their
+    measured time is learnt, and it bounds the cost of verify steps larger than any seen, so
+    the draft lengths chosen may still follow this machine's timings)."""
 
     class FixedCosts(StepCosts):
         def observe_draft(
@@ -22,5 +28,10 @@ def fixed_costs(
 
         def observe_verify(self, tokens: int, seconds: float) -> None:
             super().observe_verify(tokens, verify_base + verify_per_token * tokens)
+
+        def observe_prefill(self, tokens: int, seconds: float) -> None:
+            if fixed_prefill:
+                seconds = verify_base + verify_per_token * tokens
+            super().observe_prefill(tokens, seconds)
 
     return FixedCosts
