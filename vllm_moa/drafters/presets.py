@@ -88,6 +88,7 @@ def _token_layer_fields(target: TargetInfo, kv_divisor: int, mlp: int) -> dict[s
         "num_kv_heads": _kv_heads(heads, target.shape.num_kv_heads // kv_divisor),
         "intermediate_size": max(8, mlp),
         "rope_theta": target.rope_theta,
+        "rope_scaling": target.shape.rope_scaling,
         "rms_norm_eps": target.rms_norm_eps,
     }
 

@@ -65,6 +65,7 @@ class EagleDrafter(nn.Module):
             c.rope_theta,
             c.rms_norm_eps,
             input_norm=False,
+            rope_scaling=c.rope_scaling,
         )
 
     def init_weights(self, seed: int, std: float = 0.02, norm_init: str = "ones") -> None:

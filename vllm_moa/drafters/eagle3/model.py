@@ -33,7 +33,9 @@ class Eagle3Block(DecoderBlock):
         heads, kv_heads, eps = c.num_heads, c.num_kv_heads, c.rms_norm_eps
         super().__init__(e, heads, kv_heads, c.intermediate_size, c.rope_theta, eps)
         self.hidden_norm = RMSNorm(e, eps)
-        self.self_attn = Attention(e, heads, kv_heads, c.rope_theta, in_width=2 * e)
+        self.self_attn = Attention(
+            e, heads, kv_heads, c.rope_theta, rope_scaling=c.rope_scaling, in_width=2 * e
+        )
         self.width = e
 
     def _attention_input(self, x: torch.Tensor) -> torch.Tensor:

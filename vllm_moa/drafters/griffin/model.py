@@ -79,6 +79,7 @@ class GriffinDrafter(EagleDrafter):
             c.rms_norm_eps,
             input_norm=False,
             mlp_out_width=2 * c.target_hidden_size,
+            rope_scaling=c.rope_scaling,
         )
 
     def fuse(self, next_embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

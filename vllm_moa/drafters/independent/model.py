@@ -21,7 +21,13 @@ class IndependentDrafter(nn.Module):
         c, e = config, config.target_hidden_size
         self.layers = nn.ModuleList(
             DecoderBlock(
-                e, c.num_heads, c.num_kv_heads, c.intermediate_size, c.rope_theta, c.rms_norm_eps
+                e,
+                c.num_heads,
+                c.num_kv_heads,
+                c.intermediate_size,
+                c.rope_theta,
+                c.rms_norm_eps,
+                rope_scaling=c.rope_scaling,
             )
             for _ in range(c.num_layers)
         )
