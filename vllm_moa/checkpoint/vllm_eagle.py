@@ -71,7 +71,7 @@ def _vllm_config(
         "intermediate_size": config.intermediate_size,
         "hidden_act": "silu",
         "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_parameters": _rope_parameters(config),
         "rope_theta": config.rope_theta,
         "vocab_size": config.vocab_size,
         "max_position_embeddings": target.get("max_position_embeddings", 4096),
@@ -82,6 +82,18 @@ def _vllm_config(
         "tie_word_embeddings": False,
         "dtype": dtype,
     }
+
+
+def _rope_parameters(config: EagleConfig | Eagle3Config) -> dict[str, object]:
+    """The drafter's RoPE as transformers 5 spells it in config.json: base and scaling in one
+    `rope_parameters` dict ({"rope_type": "default", "rope_theta": ...} when unscaled). vLLM
+    0.32 / 0.33 load the drafter's config with transformers (`patch_rope_parameters`, then
+    `standardize_rope_params`) and build its layer's rotary from `config.rope_parameters`
+    (llama.py's `get_rope(..., rope_parameters=...)`, which llama_eagle.py and
+    llama_eagle3.py use), so this dict is what they apply; the top-level `rope_theta` repeats
+    the base for older readers."""
+    scaling = config.rope_scaling or {"rope_type": "default"}
+    return {**scaling, "rope_theta": config.rope_theta}
 
 
 def vllm_method_of(drafter_dir: str | Path) -> str:
