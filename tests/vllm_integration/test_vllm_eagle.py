@@ -79,3 +79,57 @@ def test_exported_eagle_in_vllm_equals_standalone(moa_pair, request, tmp_path, m
     # every accepted token must be the one our engine accepted, position by position.
     assert sum(expected) > 0, "the test drafter never lands a draft: nothing is compared"
     assert list(per_position) == expected
+
+
+def _vllm_rotated(export_dir, positions: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """q [T, H*D] rotated at `positions` by the rotary vLLM builds for the exported EAGLE-3
+    layer: the draft config as vLLM's SpeculativeConfig loads it (`get_config`, wrapped in
+    `EAGLEConfig`) and llama.py's `get_rope(..., rope_parameters=config.rope_parameters)`."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.transformers_utils.config import get_config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    loaded = get_config(str(export_dir), trust_remote_code=False)
+    config = EAGLEConfig(loaded, method="eagle3", model_type="eagle")
+    with set_current_vllm_config(VllmConfig()):  # vLLM's custom ops read it when built
+        rope = get_rope(
+            config.head_dim,
+            max_position=config.max_position_embeddings,
+            rope_parameters=getattr(config, "rope_parameters", None),
+            dtype=torch.float32,
+        )
+    return rope.forward_native(positions, q.clone(), None)[0]
+
+
+def test_vllm_rotates_an_exported_scaled_eagle3_as_ours(tmp_path):
+    """A rope-scaled target (llama3, tests/test_rope_scaling_token_layers.py): vLLM's rotary
+    for the exported EAGLE-3 layer equals our layer's over 8x the original length (what vLLM's
+    `eagle3` applies, read through its own config loading; no engine started). Control: the
+    previous export's config (rope_parameters of the default type) rotates otherwise."""
+    import json
+
+    from tests.test_rope_scaling_token_layers import ORIGINAL, _attentions, _scaled_hf, make_drafter
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+    from vllm_moa.hf_target.adapter import HFTarget
+    from vllm_moa.model.rope import apply_rope
+
+    model = _scaled_hf()
+    model.save_pretrained(tmp_path / "target")
+    drafter = make_drafter("eagle3", HFTarget(model))
+    save_drafter(drafter, tmp_path / "drafter")
+    exported = export_vllm_eagle(tmp_path / "drafter", tmp_path / "target", tmp_path / "vllm")
+    attn = _attentions(drafter)[0]
+    positions = torch.arange(8 * ORIGINAL)
+    q = torch.randn(len(positions), attn.num_heads * attn.head_dim)  # [T, H*D]
+    cos, sin = attn.cos_sin(positions, torch.float32)
+    heads = q.unflatten(-1, (attn.num_heads, attn.head_dim)).transpose(0, 1)[None]  # [1, H, T, D]
+    ours = apply_rope(heads, cos, sin)[0].transpose(0, 1).flatten(-2)
+    # fp32 on both sides; vLLM keeps its cos/sin in a cache of its own computation.
+    torch.testing.assert_close(_vllm_rotated(exported, positions, q), ours, atol=1e-5, rtol=0)
+
+    config = json.loads((exported / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    (exported / "config.json").write_text(json.dumps(config))
+    assert (_vllm_rotated(exported, positions, q) - ours)[ORIGINAL:].abs().max() > 0.1
