@@ -133,3 +133,61 @@ def test_vllm_rotates_an_exported_scaled_eagle3_as_ours(tmp_path):
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
     (exported / "config.json").write_text(json.dumps(config))
     assert (_vllm_rotated(exported, positions, q) - ours)[ORIGINAL:].abs().max() > 0.1
+
+
+def _served_per_position(target_dir, exported, prompts, max_tokens, k):
+    """vLLM's own `eagle3` serving `exported`: greedy outputs and accepted tokens per position."""
+    from vllm import SamplingParams
+
+    llm = make_llm(
+        target_dir, exported, k=k, method="eagle3", max_model_len=256, skip_tokenizer_init=True
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params)
+    per_position = spec_metrics(llm)["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    return [list(o.outputs[0].token_ids) for o in outs], list(per_position)
+
+
+def test_exported_scaled_eagle3_in_vllm_equals_standalone(tmp_path):
+    """A random EAGLE-3 drafter on a llama3-scaled random target (12 tokens, so drafts land),
+    prompts of 20 tokens past the original 16: vLLM's `eagle3` on the export gives the
+    standalone engine's outputs and accepted tokens per draft position. Control: the same
+    export with the previous, unscaled rope_parameters gives other per-position counts (the
+    drafts reach where the scaling matters)."""
+    import json
+
+    from tests.test_rope_scaling_token_layers import VOCAB, _scaled_hf, make_drafter
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
+    from vllm_moa.decoding import SpeculativeEngine
+    from vllm_moa.factories.proposers import make_proposer
+    from vllm_moa.hf_target.adapter import HFTarget
+
+    k, max_tokens = 4, 32
+    model = _scaled_hf()
+    model.save_pretrained(tmp_path / "target")
+    target = HFTarget(model)
+    drafter = make_drafter("eagle3", target, seed=1)
+    save_drafter(drafter, tmp_path / "drafter")
+    exported = export_vllm_eagle(tmp_path / "drafter", tmp_path / "target", tmp_path / "vllm")
+    prompts = [[(s + 7 * i) % VOCAB for i in range(20)] for s in range(4)]
+    outputs, per_position = _served_per_position(
+        tmp_path / "target", exported, prompts, max_tokens, k
+    )
+
+    engine = SpeculativeEngine(target, make_proposer(drafter, target))
+    expected = [0] * k
+    for ids, out in zip(prompts, outputs, strict=True):
+        result = engine.generate(ids, max_tokens, num_speculative_tokens=k)
+        assert out == result.token_ids
+        expected = [
+            a + b for a, b in zip(expected, result.stats.accepted_per_position, strict=True)
+        ]
+    assert sum(expected[1:]) > 0, "no draft past the first landed: nothing is compared"
+    assert per_position == expected
+
+    config = json.loads((exported / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    (exported / "config.json").write_text(json.dumps(config))
+    _, unscaled = _served_per_position(tmp_path / "target", exported, prompts, max_tokens, k)
+    assert unscaled != expected
