@@ -99,7 +99,8 @@ def report(result: dict[str, Any]) -> None:
     tps, tau = result["tokens_per_s"], result["moa_tau"]
     print(f"\n{'':30}{'plain':>10}{'MoA':>10}")
     print(f"{'tokens/s (median of rounds)':30}{tps['plain']:>10.1f}{tps['moa']:>10.1f}")
-    print(f"{'tau (tokens per verify pass)':30}{'':>10}{tau if tau is None else f'{tau:.2f}':>10}")
+    shown = "-" if tau is None else f"{tau:.2f}"  # None: no drafts were verified (adaptive)
+    print(f"{'tau (tokens per verify pass)':30}{'':>10}{shown:>10}")
     print(f"\noutputs identical: {result['identical']}/{len(prompts)} prompts")
     print(f"speed-up: {result['speedup']:.2f}x (MoA over plain, median of the rounds' ratios)")
 

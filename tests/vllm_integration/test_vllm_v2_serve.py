@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.deps import need
+from tests.servers import serving
 from tests.vllm_integration import v2_on_cpu
-from tests.vllm_integration.test_vllm_serve import _free_port, serving
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -22,15 +22,17 @@ def test_vllm_serve_on_v2_with_the_openai_client(moa_pair, tmp_path):
     openai = need("openai")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    port = _free_port()
     log = tmp_path / "server.log"
     vllm = Path(sys.executable).with_name("vllm")
-    cmd = [
-        str(vllm), "serve", str(moa_pair["target"]), "--served-model-name", "tiny",
-        "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
-        "--max-model-len", "512", "--enforce-eager",
-        "--spec-method", "moa", "--spec-model", str(moa_pair["tli1"]), "--spec-tokens", "4",
-    ]  # fmt: skip
+
+    def cmd(port: int) -> list[str]:
+        return [
+            str(vllm), "serve", str(moa_pair["target"]), "--served-model-name", "tiny",
+            "--port", str(port), "--host", "127.0.0.1", "--dtype", "float32",
+            "--max-model-len", "512", "--enforce-eager",
+            "--spec-method", "moa", "--spec-model", str(moa_pair["tli1"]), "--spec-tokens", "4",
+        ]  # fmt: skip
+
     env = {**os.environ, **v2_on_cpu.env(VLLM_CPU_KVCACHE_SPACE="1")}
     with serving(cmd, env, log, wait=300) as base:
         client = openai.OpenAI(base_url=base + "/v1", api_key="none")
