@@ -153,6 +153,76 @@ def random_drafter(moa_pair, tmp_path_factory) -> Path:
     return save_drafter(drafter, tmp_path_factory.mktemp("random") / "drafter")
 
 
+def sharpen(drafter, attention: float, memory: float):
+    """Make a MoA drafter's drafts depend on all of its memory: LSA's and CA's query and key
+    projections scaled by `attention`, CA's output projection by `memory`. At the usual init
+    (std 0.02) both attentions are near uniform, and stay so through a brief training: LSA's
+    output is then close to a function of the set of a token's layers (the order of the layers,
+    seen only through RoPE over the layer index, hardly matters), CA's close to the mean of the
+    memory rows, and the memory's share of the draft is small next to SA's. Sharpened, LSA's
+    output depends on the layers' order and CA's on which rows it reads, and the memory weighs
+    more. In place; returns the drafter."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith(("layer_self_attention.", "cross_attention.")) and name.endswith(
+                ("q_proj.weight", "k_proj.weight")
+            ):
+                p.mul_(attention)
+            elif name.startswith("cross_attention.") and name.endswith("o_proj.weight"):
+                p.mul_(memory)
+    return drafter
+
+
+@pytest.fixture(scope="session")
+def sensitive_drafter(moa_pair) -> Path:
+    """A MoA TLI=1 drafter for the test target whose drafts depend on every input of its memory
+    (`sharpen`: attention x8, CA's output x4, then the test drafters' recipe), for the drafts
+    check (chains.py): the test pair's drafters barely depend on their memory (measured: the
+    drafts of 186 contexts change at 1-5 when each token's memory is read one token off, at
+    none when its layers are reversed), this one's change at about 15% (one token off), 20%
+    (layers reversed) and 40% (rows of other tokens) of them. It still lands drafts (alpha ~0.3
+    at K=4: the pair's TLI=0 ~0.05, TLI=1 ~0.6). Cached beside the pair."""
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
+    from vllm_moa.hf_target import load_target_info
+    from vllm_moa.tiny import stdlib_sources
+
+    run = moa_pair["target"].parent / "sensitive"
+    if not (run / ".complete").exists():
+        info = load_target_info(moa_pair["target"])
+        drafter = MoADrafter(make_config(info, preset="small", tli=1))
+        drafter.init_weights(seed=1)
+        init = save_drafter(sharpen(drafter, 8.0, 4.0), run / "init")
+        train_briefly(moa_pair["target"], run, stdlib_sources(400_000), drafter=str(init))
+        (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
+    return run / "drafter"
+
+
+@pytest.fixture(scope="session")
+def sharded_pair(moa_pair, tmp_path_factory) -> dict[str, Path]:
+    """A random target whose 2 KV heads tensor parallelism shards (one per rank), with a random
+    MoA TLI=1 drafter sharpened (`sharpen`) so that its drafts depend on every input: the
+    sharded branch of tensor_parallel.py, end to end."""
+    import shutil
+
+    from tests.conftest import make_drafter, make_hf_model
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.hf_target import HFTarget
+
+    base = tmp_path_factory.mktemp("sharded")
+    model = make_hf_model(vocab_size=512, hidden_size=256, num_heads=4, num_kv_heads=2,
+                          num_layers=2, max_positions=512, seed=3)  # fmt: skip
+    model.save_pretrained(base / "target")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(moa_pair["target"] / name, base / "target" / name)
+    target = HFTarget(model)
+    drafter = sharpen(make_drafter(target, tli=1, seed=5), 16.0, 8.0)
+    return {"target": base / "target", "drafter": Path(save_drafter(drafter, base / "drafter"))}
+
+
 def make_llm(target: Path, drafter: Path | None = None, k: int = 4, method: str = "moa", **kwargs):
     from vllm import LLM
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.vllm_integration.chains import reference_chains
 from tests.vllm_integration.conftest import greedy, make_llm
-from tests.vllm_integration.test_vllm_offline import _reference_chains
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
@@ -47,6 +47,6 @@ def test_a_converted_release_serves_in_vllm(tmp_path, monkeypatch, geometry, tli
         rec = json.loads(line)
         traced[tuple(rec["tokens"])] = rec["drafts"]
     assert len(traced) >= 3 * 4, "too few drafting steps"
-    reference = _reference_chains(target, Path(drafter), list(traced), 3)
+    reference = reference_chains(target, Path(drafter), list(traced), 3)
     wrong = [c for c, chain in traced.items() if chain != reference[c][: len(chain)]]
     assert not wrong, f"{len(wrong)} of {len(traced)} chains differ from the standalone proposer"

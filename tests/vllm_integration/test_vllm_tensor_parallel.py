@@ -1,61 +1,118 @@
-"""MoA under tensor parallelism (vllm_plugin/tensor_parallel.py): TP=2 on vLLM's CPU backend
-(two worker processes, one core each) gives plain decoding's greedy outputs at TP=1, with drafts
-accepted and the two ranks drafting the same, for TLI 0 and 1 (whose tail runs the target's
-sharded layers); and the K/V rows of every head are put together from the ranks' shares in both
-of vLLM's head layouts."""
+"""MoA under tensor parallelism (vllm_plugin/tensor_parallel.py) on vLLM's V1 runner: TP=2 on
+vLLM's CPU backend (two worker processes, one core each), two engines in one interpreter:
+
+- the test target, whose one KV head both ranks replicate, with the sensitive drafter (TLI=1:
+  its tail runs the target's sharded layers), in the default adaptive mode with costs injected
+  per rank: on rank 0 drafting pays, on rank 1 it never does, so rank 1 drafts only because
+  every rank drafts rank 0's lengths (`same_on_every_rank`);
+- a target whose 2 KV heads are sharded (one per rank) with a sharpened random TLI=1 drafter,
+  at a fixed K.
+
+Each: greedy outputs equal plain decoding, every chain either rank drafts equals the standalone
+proposer's (fp32, unsharded) at its context, and both ranks draft the same chains; the adaptive
+run drafts and lands a minimum of tokens. And the K/V rows of every head are put together from
+the ranks' shares in both of vLLM's head layouts."""
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.vllm_integration.chains import (
+    ENGINES,
+    assert_chains_are_the_standalone_proposers,
+    encode,
+    moa,
+    plain_greedy,
+    worker_setup_env,
+)
 from tests.vllm_integration.conftest import run_script
 from tests.vllm_integration.test_vllm_offline import PROMPTS
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-SCRIPT = """
-import json, sys
-from vllm import LLM, SamplingParams
-target, drafter, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
-spec = None if drafter == "-" else {"method": "moa", "model": drafter, "num_speculative_tokens": 3}
-llm = LLM(model=target, dtype="float32", enforce_eager=True, max_model_len=512, seed=0,
-          tensor_parallel_size=tp, speculative_config=spec, disable_log_stats=False)
-outs = llm.generate(json.loads(sys.argv[4]), SamplingParams(temperature=0.0, max_tokens=32))
-accepted = sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics()
-               if m.name == "vllm:spec_decode_num_accepted_tokens")
-print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs],
-                              "accepted": accepted}))
+K, MAX_TOKENS = 3, 32
+
+
+def per_rank_costs(choices: Path) -> str:
+    """Setup source for every process vLLM starts (the workers are spawned): adaptive
+    speculation's cost model, per rank, a draft step costing 1/100 of a target step on rank 0 and
+    500 target steps on rank 1 (alone, rank 1 would draft nothing), the guard off (the injected
+    model decides alone); and each call of `same_on_every_rank` appended to `choices` as [the
+    rank's own lengths, the lengths it drafts]."""
+    return f"""
+import json as _json
+
+import vllm_moa.vllm_plugin.proposer as _proposer
+from vllm_moa.adaptive import DraftGuard as _DraftGuard
+from tests.costs import fixed_costs as _fixed_costs
+
+
+def _costs_of_this_rank(*args, **kwargs):
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    draft = 0.0002 if get_tensor_model_parallel_rank() == 0 else 10.0
+    return _fixed_costs(draft)(*args, **kwargs)
+
+
+def _recorded(values, _same=_proposer.same_on_every_rank):
+    chosen = _same(values)
+    with open({str(choices)!r}, "a") as f:
+        f.write(_json.dumps([values, chosen]) + "\\n")
+    return chosen
+
+
+_proposer.StepCosts = _costs_of_this_rank
+_proposer.DraftGuard = lambda: _DraftGuard(enabled=False)
+_proposer.same_on_every_rank = _recorded
 """
 
 
-def _generate(target, drafter, tp: int, trace: Path | None = None) -> dict:
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    if trace is not None:
-        env["VLLM_MOA_TRACE"] = str(trace)  # each rank's proposer appends its drafts
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            str(i % (os.cpu_count() or 1)) for i in range(tp)
-        )
-    result, _ = run_script(SCRIPT, target, drafter or "-", tp, json.dumps(PROMPTS[:6]), env=env)
-    return result
-
-
-def test_tp2_greedy_equals_plain_tp1(moa_pair, tmp_path):
-    plain = _generate(moa_pair["target"], None, 1)
-    for tli in (0, 1):
-        trace = tmp_path / f"trace{tli}.jsonl"
-        got = _generate(moa_pair["target"], moa_pair[f"tli{tli}"], 2, trace)
-        assert got["tokens"] == plain["tokens"], f"TLI={tli}"
-        assert got["accepted"] > 0, f"TLI={tli}: the trained drafter should land drafts"
+def test_tp2_drafts_are_the_standalone_proposers(
+    moa_pair, sensitive_drafter, sharded_pair, tmp_path
+):
+    prompts = encode(moa_pair["target"], PROMPTS[:6])
+    traces = {name: tmp_path / f"{name}.jsonl" for name in ("replicated", "sharded")}
+    choices = tmp_path / "choices.jsonl"
+    tp2 = {"tensor_parallel_size": 2, "max_model_len": 256}
+    params = {"temperature": 0.0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
+    runs = [
+        {"target": str(moa_pair["target"]), "spec": moa(sensitive_drafter, K),
+         "trace": str(traces["replicated"]), "kwargs": tp2, "params": params},
+        {"target": str(sharded_pair["target"]),
+         "spec": moa(sharded_pair["drafter"], K, moa_adaptive=False),
+         "trace": str(traces["sharded"]), "kwargs": tp2, "params": params},
+    ]  # fmt: skip
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+        "VLLM_MOA_ADAPTIVE": "1",  # the default, whatever the caller's shell says
+        **worker_setup_env(per_rank_costs(choices)),
+    }
+    job = {"target": str(moa_pair["target"]), "prompts": prompts, "runs": runs}
+    (adaptive, fixed), _ = run_script(ENGINES, json.dumps(job), env=env)
+    assert adaptive["passes"] == [plain_greedy(moa_pair["target"], prompts, MAX_TOKENS)]
+    assert fixed["passes"] == [plain_greedy(sharded_pair["target"], prompts, MAX_TOKENS)]
+    metrics = adaptive["metrics"]
+    drafted = metrics["vllm:spec_decode_num_draft_tokens"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert drafted >= 100 and accepted >= 25, (drafted, accepted)
+    # Rank 1 drafted because it followed rank 0: steps where its own choice was no drafts at all.
+    followed = [json.loads(line) for line in choices.read_text().splitlines()]
+    assert sum(not any(own) and any(chosen) for own, chosen in followed) >= 5, followed
+    for name, drafter, target in (
+        ("replicated", sensitive_drafter, moa_pair["target"]),
+        ("sharded", sharded_pair["drafter"], sharded_pair["target"]),
+    ):
         # Both ranks drafted, and drafted the same: every (context, drafts) line comes in pairs.
-        lines = Counter(trace.read_text().splitlines())
-        assert lines and all(n % 2 == 0 for n in lines.values()), f"TLI={tli}: ranks disagree"
+        lines = Counter(traces[name].read_text().splitlines())
+        assert lines and all(n % 2 == 0 for n in lines.values()), f"{name}: ranks disagree"
+        assert_chains_are_the_standalone_proposers(target, drafter, traces[name], K, 6 * 5)
 
 
 @pytest.mark.parametrize("num_kv_heads, tp", [(4, 2), (2, 2), (1, 2), (2, 4)])

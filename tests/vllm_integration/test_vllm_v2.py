@@ -16,83 +16,25 @@ from pathlib import Path
 import pytest
 
 from tests.vllm_integration import v2_on_cpu
+from tests.vllm_integration.chains import (
+    ENGINES,
+    assert_chains_are_the_standalone_proposers,
+    encode,
+    moa,
+    traced_chains,
+)
 from tests.vllm_integration.conftest import run_script
-from tests.vllm_integration.test_vllm_offline import PROMPTS, _reference_chains
+from tests.vllm_integration.test_vllm_offline import PROMPTS
 from vllm_moa.vllm_plugin import patches
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.fixed_k]  # K every step
 
-# Runs engines one after another in one process: {"target", "prompts", "runs": [{"spec",
-# "trace", "env", "setup", "kwargs", "params", "repeat"}]} -> per run its outputs (per pass) and
-# metrics; "env" is set and "setup" (Python) run before the run's engine starts.
-SCRIPT = """
-import gc, json, os, sys
-from vllm import LLM, SamplingParams
-args = json.loads(sys.argv[1])
-results = []
-for run in args["runs"]:
-    os.environ.pop("VLLM_MOA_TRACE", None)
-    if run.get("trace"):
-        os.environ["VLLM_MOA_TRACE"] = run["trace"]
-    os.environ.update(run.get("env", {}))
-    exec(run.get("setup", ""))
-    kwargs = {"max_model_len": 512, **run.get("kwargs", {})}
-    llm = LLM(model=args["target"], dtype="float32", enforce_eager=True, seed=0,
-              speculative_config=run.get("spec"), disable_log_stats=False, **kwargs)
-    params = SamplingParams(**run.get("params", {"temperature": 0.0, "max_tokens": 32,
-                                                 "ignore_eos": True}))
-    passes = []
-    for _ in range(run.get("repeat", 1)):
-        outs = llm.generate([{"prompt_token_ids": ids} for ids in args["prompts"]], params)
-        passes.append([list(o.outputs[0].token_ids) for o in outs])
-    metrics = {}
-    for m in llm.get_metrics():
-        if m.name.startswith(("vllm:spec_decode", "vllm:prefix_cache", "vllm:num_preemptions")):
-            metrics[m.name] = getattr(m, "values", None) or getattr(m, "value", None)
-    results.append({"passes": passes, "metrics": metrics})
-    del llm
-    gc.collect()
-print("RESULT " + json.dumps(results))
-"""
-
 
 def run_v2(target: Path, prompts: list[list[int]], runs: list[dict]) -> tuple[list[dict], str]:
+    """Engines one after another on V2, in one interpreter (chains.py's `ENGINES`)."""
     env = v2_on_cpu.env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     job = {"target": str(target), "prompts": prompts, "runs": runs}
-    return run_script(SCRIPT, json.dumps(job), env=env)
-
-
-def moa(drafter: Path, k: int = 4, **keys: object) -> dict:
-    return {"method": "moa", "model": str(drafter), "num_speculative_tokens": k, **keys}
-
-
-def encode(target: Path, prompts: list[str]) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    return [tokenizer.encode(p) for p in prompts]
-
-
-def traced_chains(path: Path) -> dict[tuple[int, ...], list[int]]:
-    out = {}
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        out[tuple(rec["tokens"])] = rec["drafts"]
-    return out
-
-
-def assert_chains_are_the_standalone_proposers(
-    target: Path, drafter: Path, trace: Path, k: int, at_least: int
-) -> None:
-    traced = traced_chains(trace)
-    assert len(traced) >= at_least, f"only {len(traced)} contexts drafted from"
-    reference = _reference_chains(target, drafter, list(traced), k)
-    wrong = [c for c, chain in traced.items() if chain != reference[c][: len(chain)]]
-    example = [(len(c), traced[c], reference[c]) for c in wrong[:3]]
-    assert not wrong, (
-        f"{len(wrong)} of {len(traced)} chains differ from the standalone proposer: "
-        f"(context length, drafted, standalone) {example}"
-    )
+    return run_script(ENGINES, json.dumps(job), env=env)
 
 
 def test_moa_on_v2_equals_plain_and_drafts_as_the_standalone_engine(moa_pair, tmp_path):
@@ -162,7 +104,7 @@ def test_v2_control_wrong_rows_are_caught(moa_pair, tmp_path, monkeypatch):
         "    return replace(rows, positions=rows.positions + 1), inputs\n"
         "s.step_views = shifted\n"
     )
-    run_script(broken + SCRIPT, json.dumps(job), env=env)
+    run_script(broken + ENGINES, json.dumps(job), env=env)
     with pytest.raises(AssertionError, match="differ from the standalone proposer"):
         assert_chains_are_the_standalone_proposers(
             moa_pair["target"], moa_pair["tli1"], trace, 4, 4 * 4
@@ -279,28 +221,6 @@ print("RESULT " + json.dumps(out))
     print(f"p-values: MoA {p_moa:.3g}, synthetic-verifier control {p_control:.3g}")
     assert p_control < 1e-6, "control: a lossy verifier should fail this test"
     assert p_moa > 1e-3, f"MoA sampling on V2 differs from plain sampling (p={p_moa:.3g})"
-
-
-@pytest.fixture(scope="module")
-def sharded_pair(moa_pair, tmp_path_factory) -> dict[str, Path]:
-    """A random target whose 2 KV heads tensor parallelism shards (one per rank), with a random
-    MoA TLI=1 drafter (its drafts depend on every input): the sharded branch of
-    tensor_parallel.py, end to end."""
-    import shutil
-
-    from tests.conftest import make_drafter, make_hf_model
-    from vllm_moa.checkpoint import save_drafter
-    from vllm_moa.hf_target import HFTarget
-
-    base = tmp_path_factory.mktemp("sharded")
-    model = make_hf_model(vocab_size=512, hidden_size=256, num_heads=4, num_kv_heads=2,
-                          num_layers=2, max_positions=512, seed=3)  # fmt: skip
-    model.save_pretrained(base / "target")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(moa_pair["target"] / name, base / "target" / name)
-    target = HFTarget(model)
-    drafter = save_drafter(make_drafter(target, tli=1, seed=5), base / "drafter")
-    return {"target": base / "target", "drafter": Path(drafter)}
 
 
 def test_v2_tensor_parallel_with_sharded_kv_heads(sharded_pair, tmp_path):
