@@ -24,15 +24,13 @@ import pytest
 import torch
 from conftest import make_hf_model
 from safetensors.torch import load_file
+from test_baselines import KINDS, PROPOSERS
+from test_rope_scaling import LLAMA3, ORIGINAL, THETA
 
 from vllm_moa.checkpoint import load_drafter, save_drafter
 from vllm_moa.checkpoint.validate import DrafterCheckError, check_drafter_dir
 from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
 from vllm_moa.decoding import SamplingParams, SpeculativeEngine
-from vllm_moa.drafters.eagle.proposer import EagleProposer
-from vllm_moa.drafters.eagle3.proposer import Eagle3Proposer
-from vllm_moa.drafters.griffin.proposer import GriffinProposer
-from vllm_moa.drafters.independent.proposer import IndependentProposer
 from vllm_moa.drafters.token_layers import TokenLayerConfig
 from vllm_moa.hf_target import HFTarget, load_target_info
 from vllm_moa.kinds import BY_NAME
@@ -42,23 +40,7 @@ from vllm_moa.model.rope import rope_cos_sin
 # The speculative machinery at a known K, drafting every cycle (test_adaptive.py: the rule).
 pytestmark = pytest.mark.fixed_k
 
-ORIGINAL = 16  # the target's pretraining length: llama3 scaling moves wavelengths above it
 ORIGINAL_LENGTH = {"original_max_position_embeddings": ORIGINAL}
-THETA = 500000.0  # Llama-3's base
-LLAMA3 = {
-    "rope_type": "llama3",
-    "factor": 8.0,
-    "low_freq_factor": 1.0,
-    "high_freq_factor": 4.0,
-    "original_max_position_embeddings": ORIGINAL,
-}
-KINDS = ["eagle", "griffin", "eagle3", "independent"]
-PROPOSERS = {
-    "eagle": EagleProposer,
-    "griffin": GriffinProposer,
-    "eagle3": Eagle3Proposer,
-    "independent": IndependentProposer,
-}
 VOCAB = 12  # small, so random drafts are often right and the acceptance paths run
 POSITIONS = torch.arange(8 * ORIGINAL)
 # As tests/test_rope_scaling.py: the same float32 frequencies on both sides (observed 0); the
@@ -224,12 +206,12 @@ def test_refusals_name_the_scalings_in_one_line(tmp_path, scaled_target):
     assert "\n" not in str(err.value)
     other = HFTarget(_scaled_hf(factor=4.0))
     with pytest.raises(ValueError, match=r"'factor': 8.0.* but the target's is .*'factor': 4.0"):
-        Eagle3Proposer(load_drafter(scaled), other)
+        PROPOSERS["eagle3"](load_drafter(scaled), other)
     # The control: the same drafter on its own target, and an unscaled one on the scaled target.
-    Eagle3Proposer(load_drafter(scaled), scaled_target)
+    PROPOSERS["eagle3"](load_drafter(scaled), scaled_target)
     unscaled = make_drafter("eagle", plain_target)
     assert unscaled.config.rope_scaling is None
-    EagleProposer(unscaled, scaled_target)
+    PROPOSERS["eagle"](unscaled, scaled_target)
 
 
 def test_config_validation(scaled_target):
