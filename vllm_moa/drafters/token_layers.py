@@ -41,19 +41,6 @@ class TokenLayerConfig(DrafterConfig):
     def target_shape(self) -> TargetShape:
         return dataclasses.replace(super().target_shape, rope_scaling=self.rope_scaling)
 
-    def check_target(self, target: TargetShape) -> None:
-        """Raise if this drafter was built for a target of another shape or RoPE scaling. A
-        drafter that records no scaling runs unscaled on any target, as it was trained (drafters
-        made before the field existed keep working); one that records a scaling must match the
-        target's."""
-        super().check_target(target)
-        if self.rope_scaling is not None and self.rope_scaling != target.rope_scaling:
-            raise ValueError(
-                f"drafter's attention applies RoPE scaling {self.rope_scaling} (rope_scaling), "
-                f"but the target's is {target.rope_scaling}; use a drafter made for this target "
-                "(`vllm-moa train --target ... --method ...`)"
-            )
-
 
 def random_init(module: nn.Module, seed: int, std: float, norm_init: str = "ones") -> None:
     """Deterministic random initialisation: normal(0, std) matrices, zero bias, and RMSNorm

@@ -100,6 +100,14 @@ class DrafterConfig:
                 "must be even for rotary embeddings; choose another head count"
             )
 
+    # How check_target names a RoPE-scaling mismatch: (what applies it, the config field, how to
+    # make a drafter for the target). Kinds whose target_shape records a scaling set it.
+    ROPE_SCALING_MESSAGE: ClassVar[tuple[str, str, str]] = (
+        "attention",
+        "rope_scaling",
+        "`vllm-moa train --target ... --method ...`",
+    )
+
     @property
     def target_shape(self) -> TargetShape:
         return TargetShape(
@@ -127,6 +135,15 @@ class DrafterConfig:
                     f"has {target_value}; use a drafter made for this target "
                     "(`vllm-moa init-drafter --target ...` or train one)"
                 )
+        # A drafter that records no RoPE scaling runs unscaled on any target, as it was trained
+        # (drafters made before the field existed keep working); one that records a scaling
+        # (its `target_shape`) must match the target's.
+        if mine.rope_scaling is not None and mine.rope_scaling != target.rope_scaling:
+            scaled, field, remake = self.ROPE_SCALING_MESSAGE
+            raise ValueError(
+                f"drafter's {scaled} applies RoPE scaling {mine.rope_scaling} ({field}), but the "
+                f"target's is {target.rope_scaling}; use a drafter made for this target ({remake})"
+            )
 
     def replace(self, **changes: Any) -> Self:
         return dataclasses.replace(self, **changes)

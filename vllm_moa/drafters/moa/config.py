@@ -24,6 +24,12 @@ class MoAConfig(DrafterConfig):
 
     MODEL_TYPE: ClassVar[str] = MOA_MODEL_TYPE
     ARCHITECTURE: ClassVar[str] = MOA_ARCHITECTURE
+    ROPE_SCALING_MESSAGE: ClassVar[tuple[str, str, str]] = (
+        "Self-Attention",
+        "sa_rope_scaling",
+        "`vllm-moa init-drafter --target ...`, `vllm-moa train`, or "
+        "`vllm-moa convert-official --target ...`",
+    )
 
     # Layer Self-Attention (over the L axis, width 2 * E_kv).
     lsa_num_heads: int
@@ -75,20 +81,6 @@ class MoAConfig(DrafterConfig):
     @property
     def target_shape(self) -> TargetShape:
         return dataclasses.replace(super().target_shape, rope_scaling=self.sa_rope_scaling)
-
-    def check_target(self, target: TargetShape) -> None:
-        """Raise if this drafter was built for a target of another shape or RoPE scaling. A
-        drafter that records no scaling runs its SA unscaled on any target, as it was trained
-        (drafters made before the field existed, for Llama-3.1-style targets, keep working);
-        one that records a scaling must match the target's."""
-        super().check_target(target)
-        if self.sa_rope_scaling is not None and self.sa_rope_scaling != target.rope_scaling:
-            raise ValueError(
-                f"drafter's Self-Attention applies RoPE scaling {self.sa_rope_scaling} "
-                f"(sa_rope_scaling), but the target's is {target.rope_scaling}; use a drafter "
-                "made for this target (`vllm-moa init-drafter --target ...`, `vllm-moa train`, "
-                "or `vllm-moa convert-official --target ...`)"
-            )
 
     @property
     def lsa_width(self) -> int:
