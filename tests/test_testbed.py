@@ -92,6 +92,20 @@ def test_testbed_ci_preset(tmp_path):
     assert json.loads((run / "train_config.json").read_text())["align_steps"] == 2
     assert report["results"]["griffin_a2t4"]["k4"]["lossless"]
 
+    # GRIFFIN's staged schedule (--align-stages): stage 1 plain, stage 2 with 2 passes from stage
+    # 1's drafter and continuing its data, at the run's total steps (the ci preset's 8).
+    staged = tmp_path / "staged.json"
+    stages = ["--methods", "moa_tli0", "--align-steps", "2", "--align-stages"]
+    assert main([*again, *stages, *second, "--results", str(staged)]) == 0
+    report = json.loads(staged.read_text())
+    assert set(report["results"]) == {"moa_tli0_a2st", "plain"}
+    run = tmp_path / "w" / "drafters" / "moa_tli0_a2st"
+    first, last = (json.loads((d / "train_config.json").read_text()) for d in (run / "stage1", run))
+    assert (first["max_steps"], first["align_steps"], first["skip_steps"]) == (4, None, 0)
+    assert (last["max_steps"], last["align_steps"], last["skip_steps"]) == (4, 2, 4)
+    assert last["drafter"] == str(run / "stage1" / "drafter")
+    assert report["results"]["moa_tli0_a2st"]["k4"]["lossless"]
+
     # Drafters of another seed (same target) are cached and reported beside the seed-0 ones;
     # --drafter-seed 0 is the default and reuses them.
     seeds = tmp_path / "seeds.json"
@@ -177,8 +191,25 @@ def test_run_names():
     name = "moa_tli0_slim_k3_8_stairrelease_carelease_normnormal_s2"
     assert run_name("moa_tli0_slim", recipe) == name
     assert run_name("eagle", recipe) == "eagle_s2"  # the recipe's options are MoA's
+    staged = cfg.replace(align_steps=3, align_stages=True)
+    assert run_name("moa_tli0", staged) == "moa_tli0_a3st"
     head = cfg.replace(head_init="target")
     assert run_name("eagle3", head) == "eagle3_headtarget" and run_name("eagle", head) == "eagle"
+
+
+def test_align_stages_split_the_steps():
+    """GRIFFIN's staged schedule at the run's total steps: stage n of N with n passes."""
+    from benchmarks.testbed.drafters import align_stages
+    from benchmarks.testbed.presets import PRESETS
+
+    cfg = PRESETS["cpu"].replace(align_steps=3, align_stages=True, drafter_steps=451)
+    stages = align_stages(cfg)
+    assert [(s.drafter_steps, s.align_steps) for s in stages] == [(150, None), (150, 2), (151, 3)]
+    assert not any(s.align_stages for s in stages)
+    assert align_stages(cfg.replace(align_stages=False)) == [cfg.replace(align_stages=False)]
+    for bad in (cfg.replace(align_steps=None), cfg.replace(drafter_steps=2)):
+        with pytest.raises(ValueError, match="--align-steps >= 2"):
+            align_stages(bad)
 
 
 def test_recipe_options_reach_moa_training_only(tmp_path):

@@ -402,6 +402,31 @@ def test_offline_cache_trains_like_online(tmp_path, tiny_target_dir, method, ext
     assert (cache / "meta.json").stat().st_mtime_ns == stamp
 
 
+def test_skip_steps_continues_the_data_stream(tmp_path, tiny_target_dir):
+    """A run with --skip-steps s trains on the batches and random draws of steps s+1.. of a run
+    from the same start (a stage of a staged schedule); at a learning rate too small to move an
+    fp32 weight, its losses are the longer run's later ones to the bit. Control: without it, a
+    run repeats the first steps' data."""
+    import sysconfig
+
+    from vllm_moa.cli.main import main
+
+    data = os.path.join(sysconfig.get_paths()["stdlib"], "glob.py")
+    common = [
+        "train", "--target", tiny_target_dir, "--data", data, "--batch-size", "2",
+        "--max-length", "48", "--log-every", "1", "--eval-examples", "0", "--device", "cpu",
+        "--lr", "1e-12", "--seed", "3",
+    ]  # fmt: skip
+    assert main([*common, "--max-steps", "4", "--out", str(tmp_path / "whole")]) == 0
+    later = ["--max-steps", "2", "--skip-steps", "2", "--out", str(tmp_path / "later")]
+    assert main([*common, *later]) == 0
+    assert main([*common, "--max-steps", "2", "--out", str(tmp_path / "again")]) == 0
+    whole, later_losses = _losses(tmp_path / "whole"), _losses(tmp_path / "later")
+    assert [later_losses[1], later_losses[2]] == [whole[3], whole[4]]
+    again = _losses(tmp_path / "again")
+    assert [again[1], again[2]] == [whole[1], whole[2]] != [whole[3], whole[4]]
+
+
 @pytest.mark.slow
 def test_two_process_gloo_data_parallel_matches_grad_accumulation(tmp_path, tiny_target_dir):
     """torchrun with 2 CPU processes (gloo) = 1 process accumulating the same 2 micro-batches."""

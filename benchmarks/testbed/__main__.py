@@ -25,6 +25,7 @@ from benchmarks.testbed.drafters import (
     EXTRA_METHODS,
     METHODS,
     SLIM_METHODS,
+    align_stages,
     build_drafters,
     drafter_train_config,
     run_name,
@@ -122,8 +123,16 @@ def _drafters(
                 init_head_from_target(drafter, HFTarget.from_pretrained(str(target_dir)))
             init = save_drafter(drafter, out / "init" / name)
             t0 = time.perf_counter()
-            train = drafter_train_config(cfg, target_dir, corpus, run, init, device, method)
-            make_trainer(train).train()
+            stages, skip = align_stages(cfg), 0
+            for i, stage in enumerate(stages, 1):  # one, unless --align-stages
+                here = run if i == len(stages) else run / f"stage{i}"
+                if not (here / "stage_done").is_file():
+                    train = drafter_train_config(
+                        stage, target_dir, corpus, here, init, device, method, skip
+                    )
+                    make_trainer(train).train()
+                    (here / "stage_done").touch()
+                init, skip = here / "drafter", skip + stage.drafter_steps
             record = {
                 "parameters": count_parameters(drafter)["total"],
                 "train_seconds": time.perf_counter() - t0,
@@ -170,6 +179,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="k of --align-steps' mask (default 3, the paper's; another is reported as "
         "<method>_a<N>t<k>)",
+    )
+    p.add_argument(
+        "--align-stages",
+        action="store_true",
+        default=None,
+        help="with --align-steps N: GRIFFIN's staged schedule at the same total steps, N stages "
+        "of drafter-steps / N, stage n trained with n passes from stage n-1's drafter, each "
+        "continuing the data (reported as <method>_a<N>st)",
     )
     p.add_argument(
         "--eval-prompts",
@@ -264,12 +281,16 @@ def main(argv: list[str] | None = None) -> int:
         args.moa_refresh = (lo, hi)
     overrides = (
         "eval_prompts", "target_steps", "corpus_bytes", "drafter_steps", "moa_refresh",
-        "drafter_seed", "align_steps", "align_topk", "sa_staircase", "ca_memory", "norm_init",
-        "head_init",
+        "drafter_seed", "align_steps", "align_topk", "align_stages", "sa_staircase", "ca_memory",
+        "norm_init", "head_init",
     )  # fmt: skip
     cfg = PRESETS[args.preset].replace(
         **{k: v for k in overrides if (v := getattr(args, k)) is not None}
     )
+    try:
+        align_stages(cfg)
+    except ValueError as e:
+        p.error(str(e))
     if cfg.drafter_seed == cfg.seed:  # the default, however it was spelled (one cache name)
         cfg = cfg.replace(drafter_seed=None)
     out = Path(args.out).expanduser()

@@ -102,6 +102,8 @@ def run_name(method: str, cfg: TestbedConfig) -> str:
         name += f"_a{cfg.align_steps}"
         if cfg.align_topk is not None and cfg.align_topk != 3:
             name += f"t{cfg.align_topk}"
+        if cfg.align_stages:
+            name += "st"
     if method.startswith("moa"):
         for option, tag in (("sa_staircase", "stair"), ("ca_memory", "ca"), ("norm_init", "norm")):
             value = getattr(cfg, option)
@@ -112,6 +114,29 @@ def run_name(method: str, cfg: TestbedConfig) -> str:
     if cfg.seed_of_drafters != cfg.seed:
         name += f"_s{cfg.seed_of_drafters}"
     return name
+
+
+def align_stages(cfg: TestbedConfig) -> list[TestbedConfig]:
+    """The training stages of a drafter: one (the run's settings), or with `align_stages` GRIFFIN's
+    schedule at the run's total steps: stage n of N = `align_steps` trains drafter_steps / N steps
+    (the last one the remainder) with n passes, each from the stage before's drafter."""
+    n = cfg.align_steps or 1
+    if not cfg.align_stages:
+        return [cfg]
+    if n < 2 or cfg.drafter_steps < n:
+        raise ValueError(
+            f"staged alignment needs --align-steps >= 2 and at least that many drafter steps, "
+            f"got {cfg.align_steps} passes over {cfg.drafter_steps} steps"
+        )
+    share = cfg.drafter_steps // n
+    return [
+        cfg.replace(
+            drafter_steps=share if i < n else cfg.drafter_steps - share * (n - 1),
+            align_steps=i if i > 1 else None,
+            align_stages=False,
+        )
+        for i in range(1, n + 1)
+    ]
 
 
 def recipe_options(cfg: TestbedConfig) -> dict[str, Any]:
@@ -128,9 +153,11 @@ def drafter_train_config(
     init: Path,
     device: str = "cpu",
     method: str = "moa_tli0",
+    skip_steps: int = 0,
 ) -> TrainConfig:
     """How the testbed trains every drafter (resuming from run/checkpoint.pt when present); the
-    K range matters to MoA only (the other methods ignore it), the recipe's options are MoA's."""
+    K range matters to MoA only (the other methods ignore it), the recipe's options are MoA's.
+    `skip_steps`: the steps of the stages before (`align_stages`), whose data it continues."""
     return TrainConfig(
         target=str(target_dir),
         data=tuple(map(str, corpus)),
@@ -152,4 +179,5 @@ def drafter_train_config(
         **(recipe_options(cfg) if method.startswith("moa") else {}),
         resume=(run / "checkpoint.pt").is_file(),
         device=device,
+        skip_steps=skip_steps,
     )

@@ -45,6 +45,9 @@ class TestbedConfig:
     # recipe (EAGLE-3's training-time test, none for the others).
     align_steps: int | None = None
     align_topk: int | None = None
+    # GRIFFIN's staged schedule at equal total steps: `align_steps` N stages of drafter_steps / N
+    # steps, stage n trained with n passes from stage n-1's drafter (reported as `_a<N>st`).
+    align_stages: bool = False
     # The MoA recipe's options (`vllm-moa train --sa-staircase/--ca-memory/--norm-init`, the MoA
     # authors' choices against ours); MoA drafters trained with others than the defaults are
     # cached and reported as `<method>_stair<s>`, `_ca<m>`, `_norm<n>` (run_name).

@@ -70,6 +70,15 @@ class TrainConfig:
     seed: int = field(
         default=0, metadata={"help": "seed of the initialisation, batch order and random draws"}
     )
+    skip_steps: int = field(
+        default=0,
+        metadata={
+            "min": 0,
+            "help": "continue the data stream of an earlier run of this many steps: batches and "
+            "random draws are those of steps N+1.. (with --drafter OUT/drafter: a stage of a "
+            "staged schedule; the learning-rate schedule starts afresh)",
+        },
+    )
     lr: float = field(default=3e-4, metadata={"help": "peak learning rate (AdamW)"})
     batch_size: int = field(
         default=8, metadata={"min": 1, "help": "sequences per micro-batch (per process)"}
@@ -247,7 +256,8 @@ class TrainConfig:
             raise ValueError(f"align_topk must be >= 0, got {self.align_topk}")
         if self.align_decay is not None and not 0 < self.align_decay <= 1:
             raise ValueError(f"align_decay must be in (0, 1], got {self.align_decay}")
-        for name in ("save_every", "eval_every", "warmup_steps", "eval_examples", "tli"):
+        non_negative = ("save_every", "eval_every", "warmup_steps", "eval_examples", "tli")
+        for name in (*non_negative, "skip_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.lr > 0:

@@ -289,9 +289,10 @@ class Trainer:
         if alignment_of(self.method, cfg).steps > 1:
             totals["aligned"] = 0.0
         autocast = self._autocast()
+        stream = step + cfg.skip_steps  # the step's place in the data stream
         for micro in range(cfg.grad_accum):
-            index = ((step - 1) * cfg.grad_accum + micro) * self.dist.world + self.dist.rank
-            gen = step_generator(cfg.seed, step, micro * self.dist.world + self.dist.rank)
+            index = ((stream - 1) * cfg.grad_accum + micro) * self.dist.world + self.dist.rank
+            gen = step_generator(cfg.seed, stream, micro * self.dist.world + self.dist.rank)
             batch, ids = self._batch(index)
             with autocast:
                 target_out = self._target_output(batch, ids)
