@@ -101,7 +101,7 @@ def test_testbed_ci_preset(tmp_path):
     assert set(report["results"]) == {"moa_tli0_a2st", "plain"}
     run = tmp_path / "w" / "drafters" / "moa_tli0_a2st"
     first, last = (json.loads((d / "train_config.json").read_text()) for d in (run / "stage1", run))
-    assert (first["max_steps"], first["align_steps"], first["skip_steps"]) == (4, None, 0)
+    assert (first["max_steps"], first["align_steps"], first["skip_steps"]) == (4, 1, 0)
     assert (last["max_steps"], last["align_steps"], last["skip_steps"]) == (4, 2, 4)
     assert last["drafter"] == str(run / "stage1" / "drafter")
     assert report["results"]["moa_tli0_a2st"]["k4"]["lossless"]
