@@ -22,9 +22,9 @@ from vllm_moa.checkpoint.validate import check_drafter_dir
 from vllm_moa.checkpoint.vllm_eagle import export_vllm_eagle
 from vllm_moa.decoding import SpeculativeEngine
 from vllm_moa.decoding.tree import TreeParams
+from vllm_moa.drafters.draft_vocab import frequent_tokens
 from vllm_moa.drafters.eagle3.method import Eagle3Method
 from vllm_moa.drafters.eagle3.model import Eagle3Drafter
-from vllm_moa.drafters.eagle3.vocab import frequent_tokens
 from vllm_moa.drafters.presets import TargetInfo, make_eagle3_config
 from vllm_moa.factories.proposers import make_proposer
 from vllm_moa.hf_target import HFTarget

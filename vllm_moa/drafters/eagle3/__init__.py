@@ -12,8 +12,9 @@ their gradient, no feature loss, pass n weighted 0.8^(n-1) (training/alignment.p
 
 config.py: Eagle3Config; model.py: Eagle3Drafter (an EagleDrafter whose target features, fusion,
 layer and LM head differ); proposer.py: Eagle3Proposer (EAGLE's chains and EAGLE-2 trees);
-method.py: Eagle3Method; split.py: the client-server split (the three states cross the link);
-vocab.py: the reduced draft vocabulary's tokens (`train --draft-vocab`; d2t / t2d in model.py).
+method.py: Eagle3Method; split.py: the client-server split (the three states cross the link).
+The reduced draft vocabulary's tokens come from drafters/draft_vocab.py (`train --draft-vocab`,
+shared with MoA); d2t / t2d in model.py.
 Registered in vllm_moa.kinds; `vllm-moa export-eagle` writes vLLM's `eagle3` format.
 docs/eagle3.md has the comparison with the authors' release and vLLM.
 """

@@ -10,9 +10,9 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from vllm_moa.drafters.draft_vocab import DraftVocab, check_draft_vocab, frequent_tokens
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle3.config import Eagle3Config
-from vllm_moa.drafters.eagle3.vocab import DraftVocab, frequent_tokens
 from vllm_moa.drafters.token_layers import TokenLayerConfig
 from vllm_moa.model.layers import Attend, Attention, DecoderBlock, RMSNorm
 
@@ -110,7 +110,7 @@ class Eagle3Drafter(EagleDrafter):
 
     def choose_draft_vocab(self, trained: Iterable[Sequence[int]]) -> DraftVocab | None:
         """Set the reduced draft vocabulary from the training data's trained tokens (each
-        example's; `vocab.frequent_tokens`), returned; None when the head covers the whole
+        example's; `draft_vocab.frequent_tokens`), returned; None when the head covers the whole
         vocabulary (nothing to choose)."""
         if not self.config.reduced_vocab:
             return None
@@ -185,23 +185,6 @@ class Eagle3Drafter(EagleDrafter):
             return draft
         full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
         return full.index_copy(-1, self.draft_token_ids(), draft)
-
-
-def check_draft_vocab(ids: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
-    """Raise unless `ids` (int64) are draft_vocab_size strictly ascending ids in 0..V-1."""
-    if tuple(ids.shape) != (draft_vocab_size,):
-        raise ValueError(
-            f"the draft vocabulary must hold draft_vocab_size = {draft_vocab_size} token ids, got "
-            f"shape {tuple(ids.shape)}"
-        )
-    ascending = bool((ids[1:] > ids[:-1]).all())  # device sync
-    in_range = bool(((ids >= 0) & (ids < vocab_size)).all())  # device sync
-    if not (ascending and in_range):
-        raise ValueError(
-            f"the draft vocabulary's target ids must be strictly ascending in 0..{vocab_size - 1} "
-            "(draft id i = the i-th smallest, as the authors' d2t and vLLM's scatter need); "
-            "rebuild it (`vllm-moa train --draft-vocab`)"
-        )
 
 
 def _check_loaded_vocab(module: nn.Module, incompatible: object) -> None:

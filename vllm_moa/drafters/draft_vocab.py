@@ -1,7 +1,9 @@
-"""EAGLE-3's reduced draft vocabulary: the `n` target tokens the training data trains on most
-often, as the authors' `scandata` (SafeAILab/EAGLE eagle/traineagle3/cnets.py) picks them: count
-the trained tokens, keep the top n, sort them by id. Draft id i is then the i-th smallest
-(`Eagle3Drafter.set_draft_vocab` stores it as the offset d2t[i] = id - i, and t2d).
+"""A reduced draft vocabulary, shared by the kinds that have one (EAGLE-3: its own LM head's rows;
+MoA: the rows of the target's LM head its drafts read): the `n` target tokens the training data
+trains on most often, as the EAGLE-3 authors' `scandata` (SafeAILab/EAGLE
+eagle/traineagle3/cnets.py) picks them: count the trained tokens, keep the top n, sort them by
+id. Draft id i is then the i-th smallest (EAGLE-3 stores it as the offset d2t[i] = id - i, and
+t2d; MoA stores the ids).
 
 Differences from theirs, by choice: ties in count go to the smaller token id (theirs: the order
 `Counter.most_common` met them, i.e. the data's order), and when the data has fewer than n
@@ -44,3 +46,20 @@ def frequent_tokens(tokens: Iterable[Sequence[int]], vocab_size: int, n: int) ->
     kept = int(counts[top].sum())
     coverage = kept / max(1, flat.numel())
     return DraftVocab(top.sort().values, coverage, int((counts > 0).sum()))
+
+
+def check_draft_vocab(ids: torch.Tensor, draft_vocab_size: int, vocab_size: int) -> None:
+    """Raise unless `ids` (int64) are draft_vocab_size strictly ascending ids in 0..V-1."""
+    if tuple(ids.shape) != (draft_vocab_size,):
+        raise ValueError(
+            f"the draft vocabulary must hold draft_vocab_size = {draft_vocab_size} token ids, got "
+            f"shape {tuple(ids.shape)}"
+        )
+    ascending = bool((ids[1:] > ids[:-1]).all())  # device sync
+    in_range = bool(((ids >= 0) & (ids < vocab_size)).all())  # device sync
+    if not (ascending and in_range):
+        raise ValueError(
+            f"the draft vocabulary's target ids must be strictly ascending in 0..{vocab_size - 1} "
+            "(draft id i = the i-th smallest, as the authors' d2t and vLLM's scatter need); "
+            "rebuild it (`vllm-moa train --draft-vocab`)"
+        )
