@@ -308,7 +308,7 @@ def _train(tmp_path, target_dir, *extra: str) -> int:
 def test_train_draft_vocab(tmp_path, tiny_target_dir, capsys):
     """`train --method eagle3 --draft-vocab 64`: the vocabulary is the 64 most frequent trained
     tokens of the training examples, recorded in the configs; the run's losses are finite; the
-    drafter loads and passes the checkpoint check. Other kinds refuse the flag."""
+    drafter loads and passes the checkpoint check. Kinds without one refuse the flag."""
     import os
     import sysconfig
 
@@ -335,7 +335,7 @@ def test_train_draft_vocab(tmp_path, tiny_target_dir, capsys):
     assert torch.equal(drafter.draft_token_ids(), expected)
     check_drafter_dir(out / "drafter")
     assert _train(tmp_path, tiny_target_dir, "--method", "eagle", "--draft-vocab", "64") == 1
-    assert "--draft-vocab 64 applies to EAGLE-3 only" in capsys.readouterr().err
+    assert "--draft-vocab 64 applies to MoA and EAGLE-3 only" in capsys.readouterr().err
 
 
 @pytest.fixture

@@ -229,6 +229,27 @@ def test_inflated_pair_drafts_and_decodes_the_same(tmp_path):
     assert got.stats.accepted_per_position == want.stats.accepted_per_position
 
 
+def test_inflate_keeps_a_draft_vocabulary(tmp_path):
+    """A MoA drafter's draft vocabulary (token ids, no width) is carried over as it is: the
+    widened pair drafts and decodes the same."""
+    model, wide = _target(tmp_path, "llama", seed=5)
+    small_t, wide_t = HFTarget(model), HFTarget(wide)
+    drafter = make_drafter(small_t, seed=6)
+    drafter.set_draft_vocab_size(40)
+    drafter.set_draft_vocab(torch.arange(3, 243, 6))
+    widening = inflate_target(tmp_path / "small", tmp_path / "wide2", **WIDE)
+    wide_dir = inflate_drafter(save_drafter(drafter, tmp_path / "moa"), tmp_path / "w", widening)
+    wide_d = load_drafter(wide_dir, target=wide_t.shape)
+    assert isinstance(wide_d, MoADrafter) and wide_d.draft_ids is not None
+    assert wide_d.draft_ids.dtype == torch.int64
+    assert torch.equal(wide_d.draft_ids, torch.arange(3, 243, 6))
+    prompt = list(range(5, 25))
+    want = SpeculativeEngine(small_t, MoAProposer(drafter, small_t)).generate(prompt, 24)
+    got = SpeculativeEngine(wide_t, MoAProposer(wide_d, wide_t)).generate(prompt, 24)
+    assert got.token_ids == want.token_ids
+    assert got.stats.accepted_per_position == want.stats.accepted_per_position
+
+
 def test_inflate_errors_are_clear(tmp_path):
     model = make_hf_model("llama", num_heads=4, num_kv_heads=2)
     model.save_pretrained(tmp_path / "small")

@@ -51,7 +51,7 @@ KINDS: tuple[DrafterKind, ...] = (
         method="vllm_moa.drafters.moa.method:MoAMethod",
         split="vllm_moa.drafters.moa.split:MoASplit",
         sizing="vllm_moa.drafters.presets:make_config",
-        options=("tli", "memory_source"),
+        options=("tli", "memory_source", "draft_vocab"),
         label="MoA",
     ),
     DrafterKind(

@@ -234,7 +234,11 @@ def inflate_drafter(path: str | Path, out: str | Path, target: Widening) -> Path
     drafter = load_drafter(path)
     config = drafter.config
     e, e2 = target.hidden, target.new_hidden
-    state = {k: v.detach().float() for k, v in drafter.state_dict().items()}
+    # Weights in float32 to widen; index buffers (MoA's draft_ids) as they are.
+    state = {
+        k: v.detach().float() if v.is_floating_point() else v.detach()
+        for k, v in drafter.state_dict().items()
+    }
     new: nn.Module
     if isinstance(config, MoAConfig):
         sa = _block_widening(
@@ -246,7 +250,7 @@ def inflate_drafter(path: str | Path, out: str | Path, target: Widening) -> Path
         state = _widen_state(
             {k: v for k, v in state.items() if not k.startswith("Ekv2E.")},
             {"self_attention.": sa, "cross_attention.": ca},
-            keep=("layer_self_attention.",),
+            keep=("layer_self_attention.", "draft_ids"),  # draft_ids: token ids, any width
         ) | {
             "Ekv2E.weight": _pad(state["Ekv2E.weight"], (e2, state["Ekv2E.weight"].shape[1])),
             "Ekv2E.bias": _pad(state["Ekv2E.bias"], (e2,)),

@@ -6,8 +6,8 @@ written: a missing, unparsable or non-object config.json, a key missing or of th
 unknown model_type, a NaN or Inf config number; a missing, truncated or corrupt weights file,
 tensors missing, unexpected or of another shape than the config implies, of a dtype other than
 float32 / bfloat16 / float16 (never cast: an integer or fp8 tensor means a quantized or foreign
-checkpoint; only the integer / bool buffers the drafter itself holds, EAGLE-3's d2t and t2d, are
-stored as such, in exactly their dtype), or holding NaN / Inf.
+checkpoint; only the integer / bool buffers the drafter itself holds, EAGLE-3's d2t and t2d and
+MoA's draft_ids, are stored as such, in exactly their dtype), or holding NaN / Inf.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ WEIGHTS_NAME = "model.safetensors"
 # for); anything else is refused by name rather than cast.
 WEIGHT_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
 # safetensors' names of the dtypes of a drafter's non-float buffers (EAGLE-3's d2t: int64, t2d:
-# bool), which must be stored in exactly the dtype the drafter holds.
+# bool; MoA's draft_ids: int64), which must be stored in exactly the dtype the drafter holds.
 BUFFER_DTYPES = {torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL"}
 RECREATE = "re-create the drafter (`vllm-moa init-drafter` or `vllm-moa train`)"
 NOT_A_DRAFTER_DIR = (
@@ -207,7 +207,7 @@ def check_tensors(
 
 def buffer_dtypes(state: dict[str, torch.Tensor]) -> dict[str, str]:
     """name -> safetensors dtype of the tensors of a drafter's state that are not floating point
-    (index maps such as EAGLE-3's d2t / t2d): check_header's `exact`."""
+    (index maps such as EAGLE-3's d2t / t2d, MoA's draft_ids): check_header's `exact`."""
     return {n: BUFFER_DTYPES[t.dtype] for n, t in state.items() if not t.is_floating_point()}
 
 
@@ -236,10 +236,10 @@ def check_header(
     if off:
         named = ", ".join(f"{name} ({got}, expected {want})" for name, (got, want) in off.items())
         raise DrafterCheckError(
-            f"{file}: {named}: the drafter's index buffers (EAGLE-3's draft vocabulary maps d2t "
-            "int64 and t2d bool) are stored in exactly their dtype, never cast; a checkpoint "
-            "whose maps were saved as floats or another integer type is foreign or damaged: "
-            "re-save the drafter (`vllm-moa train --draft-vocab`)"
+            f"{file}: {named}: the drafter's index buffers (the draft vocabulary's: EAGLE-3's d2t "
+            "int64 and t2d bool, MoA's draft_ids int64) are stored in exactly their dtype, never "
+            "cast; a checkpoint whose maps were saved as floats or another integer type is "
+            "foreign or damaged: re-save the drafter (`vllm-moa train --draft-vocab`)"
         )
     wrong = {
         name: h.dtype

@@ -46,8 +46,14 @@ def _token_heads(target: TargetInfo) -> int:
 
 
 def make_config(
-    target: TargetInfo, preset: str = "paper", tli: int = 0, memory_source: str = "lsa"
+    target: TargetInfo,
+    preset: str = "paper",
+    tli: int = 0,
+    memory_source: str = "lsa",
+    draft_vocab: int | None = None,
 ) -> MoAConfig:
+    """`draft_vocab`: drafts over that many tokens (MoA's draft vocabulary, `train
+    --draft-vocab`; the target's LM-head rows of the data's most frequent tokens), None: all."""
     _check_preset(preset)
     s = target.shape
     width = 2 * s.kv_width
@@ -76,6 +82,7 @@ def make_config(
         sa_rope_scaling=s.rope_scaling,
         rms_norm_eps=target.rms_norm_eps,
         memory_source=memory_source,
+        draft_vocab_size=_draft_vocab(target, draft_vocab),
     )
 
 
@@ -125,16 +132,22 @@ def make_eagle3_config(
     target layers `default_feature_layers` picks, and an LM head over the whole vocabulary, or
     over `draft_vocab` tokens (EAGLE-3's reduced draft vocabulary, `train --draft-vocab`)."""
     fields = _eagle_fields(target, preset)
+    vocab = _draft_vocab(target, draft_vocab)
+    return Eagle3Config(
+        **fields,
+        feature_layers=default_feature_layers(target.shape.num_layers),
+        draft_vocab_size=target.shape.vocab_size if vocab is None else vocab,
+    )
+
+
+def _draft_vocab(target: TargetInfo, draft_vocab: int | None) -> int | None:
+    """`train --draft-vocab`'s value, checked against the target's vocabulary."""
     vocab = target.shape.vocab_size
     if draft_vocab is not None and not 1 <= draft_vocab <= vocab:
         raise ValueError(
             f"--draft-vocab must lie in 1..{vocab} (the target's vocabulary), got {draft_vocab}"
         )
-    return Eagle3Config(
-        **fields,
-        feature_layers=default_feature_layers(target.shape.num_layers),
-        draft_vocab_size=vocab if draft_vocab is None else draft_vocab,
-    )
+    return draft_vocab
 
 
 def make_independent_config(

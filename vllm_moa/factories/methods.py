@@ -57,14 +57,11 @@ OPTIONS = ("tli", "memory_source", "draft_vocab")
 
 def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
     if cfg.drafter is not None:
-        for flag, given in (("--head-init", cfg.head_init != "random"),
-                            ("--draft-vocab", cfg.draft_vocab is not None)):  # fmt: skip
-            if given:
-                raise ValueError(
-                    f"{flag} sets up a new drafter; --drafter continues from a trained one: "
-                    "drop one of them"
-                )
+        if cfg.head_init != "random":
+            raise ValueError(new_drafter_only("--head-init"))
         drafter = load_drafter(cfg.drafter, target=target.shape)
+        if cfg.draft_vocab is not None:
+            resize_draft_vocab(drafter, cfg.draft_vocab)
     else:
         drafter = new_drafter(cfg)
         # A reduced draft vocabulary's head rows are the target's rows of its tokens, known
@@ -72,6 +69,21 @@ def build_method(cfg: TrainConfig, target: HFTarget) -> DraftMethod:
         if cfg.head_init == "target" and cfg.draft_vocab is None:
             init_head_from_target(drafter, target)
     return method_for(drafter, target, cfg.feature_noise)
+
+
+def new_drafter_only(flag: str) -> str:
+    return f"{flag} sets up a new drafter; --drafter continues from a trained one: drop one of them"
+
+
+def resize_draft_vocab(drafter: nn.Module, n: int) -> None:
+    """`--drafter D --draft-vocab N`: MoA's draft vocabulary is an inference-time choice (the
+    rows of the target's LM head its drafts read, no weights of its own), so a trained drafter
+    takes a new one, of N tokens chosen from this run's data (`prepare_drafter`). EAGLE-3's
+    sizes its own LM head: only a new drafter gets one."""
+    resize = getattr(drafter, "set_draft_vocab_size", None)
+    if resize is None:
+        raise ValueError(new_drafter_only("--draft-vocab"))
+    resize(n)
 
 
 def trained_tokens(examples: Sequence[Example]) -> list[list[int]]:
@@ -85,14 +97,15 @@ def trained_tokens(examples: Sequence[Example]) -> list[list[int]]:
 def prepare_drafter(
     method: DraftMethod, examples: Sequence[Example], cfg: TrainConfig, target: HFTarget
 ) -> None:
-    """Before the first step, for a new drafter: `--draft-vocab N` sets EAGLE-3's reduced draft
-    vocabulary from the training examples' trained tokens (`drafters/eagle3/vocab.py`), then
-    `--head-init target` copies the target's rows of those tokens."""
-    if cfg.drafter is not None or cfg.draft_vocab is None:
+    """Before the first step: `--draft-vocab N` sets the reduced draft vocabulary (EAGLE-3's,
+    of a new drafter; MoA's, of a new or a continued one) from the training examples' trained
+    tokens (`drafters/draft_vocab.py`), then `--head-init target` copies the target's rows of
+    those tokens (EAGLE-3)."""
+    if cfg.draft_vocab is None:
         return
     drafter = method.model
-    # --draft-vocab is an option of the kinds whose drafters choose one (new_drafter refuses it
-    # for the others): EAGLE-3's `choose_draft_vocab`.
+    # --draft-vocab is an option of the kinds whose drafters choose one (new_drafter and
+    # build_method refuse it for the others): MoA's and EAGLE-3's `choose_draft_vocab`.
     vocab = drafter.choose_draft_vocab(trained_tokens(examples))  # type: ignore[operator]
     if vocab is not None:
         print(
@@ -127,7 +140,7 @@ def save_method_drafter(method: DraftMethod, out: Path, cfg: TrainConfig) -> Pat
         training |= {"align_steps": align.steps, "align_topk": align.topk}
         if align.decay != 1:
             training |= {"align_decay": align.decay}
-    if cfg.drafter is None and cfg.draft_vocab is not None:  # the vocabulary came from the data
+    if cfg.draft_vocab is not None:  # the vocabulary came from the data
         training |= {"draft_vocab": cfg.draft_vocab}
     return save_drafter(method.model, out, training=training or None)
 

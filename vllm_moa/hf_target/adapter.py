@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import vllm_moa.hf_target.tree_kernel as tree_kernel
+from vllm_moa.hf_target.vocab_head import VocabHead
 from vllm_moa.model.config import TargetShape
 from vllm_moa.model.kv_cache import KVCache
 from vllm_moa.model.layers import use_kernels
@@ -177,6 +178,12 @@ class HFTarget:
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, E] -> [T, V] float32."""
         return self.lm_head(hidden).float()
+
+    def vocab_head(self, token_ids: torch.Tensor) -> VocabHead:
+        """`lm_logits` over the tokens `token_ids` (int64 [n], ascending) only: [T, E] -> [T, V]
+        float32, -inf at the other tokens, from the head's rows of those tokens, copied here once
+        (a drafter's draft vocabulary: build it once per proposer, not per step)."""
+        return VocabHead(self.lm_head.weight, getattr(self.lm_head, "bias", None), token_ids)
 
     def additive_mask(self, allowed: torch.Tensor) -> torch.Tensor:
         """bool [..., T, S] (True = attend) -> additive float mask in the model's dtype."""

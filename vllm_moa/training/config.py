@@ -148,10 +148,11 @@ class TrainConfig:
         default=None,
         metadata={
             "min": 1,
-            "help": "EAGLE-3: a new drafter's LM head covers only the N target tokens the "
-            "training data trains on most often (the authors' reduced draft vocabulary, their "
-            "draft_vocab_size; docs/eagle3.md); other tokens are never drafted. Default: the "
-            "whole vocabulary",
+            "help": "EAGLE-3 and MoA: drafts only ever pick the N target tokens the training "
+            "data trains on most often, the reduced draft vocabulary (EAGLE-3: a new drafter's "
+            "LM head has N rows, the authors' draft_vocab_size, docs/eagle3.md; MoA: its drafts "
+            "read those N rows of the target's LM head, an inference-time choice a --drafter "
+            "can take too, the loss unchanged, docs/training.md). Default: the whole vocabulary",
         },
     )
     feature_noise: float = field(

@@ -58,6 +58,22 @@ class MoAConfig(DrafterConfig):
     # "lsa": memory rows come from LSA over every layer's K|V (MoA). "hidden": the CA reads the
     # target's final hidden states instead (the paper's "-LSA, o_1..o_t inputs" ablation).
     memory_source: str = "lsa"
+    # The draft vocabulary (`vllm-moa train --draft-vocab N`): drafts are only ever these N
+    # target tokens, whose ids the drafter holds (MoADrafter.draft_ids), and a draft step reads
+    # only their rows of the target's LM head. None (or vocab_size): the whole vocabulary;
+    # written to config.json only when set, so drafters made before it load unchanged.
+    draft_vocab_size: int | None = None
+
+    @property
+    def reduced_vocab(self) -> bool:
+        """Whether drafts are restricted to part of the target's vocabulary (draft_ids held)."""
+        return self.draft_vocab_size is not None and self.draft_vocab_size < self.vocab_size
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.draft_vocab_size is None:
+            del out["draft_vocab_size"]
+        return out
 
     def __post_init__(self) -> None:
         if self.memory_source not in MEMORY_SOURCES:
@@ -74,6 +90,14 @@ class MoAConfig(DrafterConfig):
         self._check_heads("lsa_", self.lsa_width, self.lsa_num_heads, self.lsa_num_kv_heads)
         self._check_heads("sa_", self.target_hidden_size, self.sa_num_heads, self.sa_num_kv_heads)
         self._check_heads("ca_", self.target_hidden_size, self.ca_num_heads, self.ca_num_kv_heads)
+        n = self.draft_vocab_size
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+            raise TypeError(f"MoAConfig.draft_vocab_size must be an int or null, got {n!r}")
+        if n is not None and not 1 <= n <= self.vocab_size:
+            raise ValueError(
+                f"MoAConfig.draft_vocab_size must lie in 1..{self.vocab_size} (the target's "
+                f"vocabulary), got {n}; set it to at most vocab_size, or null for the whole one"
+            )
         if self.sa_rope_scaling is not None:  # transformers validates the parameters
             sa_head = self.target_hidden_size // self.sa_num_heads
             scaled_frequencies(sa_head, self.rope_theta, self.sa_rope_scaling, "sa_rope_scaling")

@@ -2,14 +2,21 @@
 
 The module holds only the drafter's own weights. The target's token embeddings, LM head and (for
 TLI > 0) its last layers are used through the target adapter, never copied here; see
-`vllm_moa.drafters.moa.proposer` for incremental inference.
+`vllm_moa.drafters.moa.proposer` for incremental inference. With a draft vocabulary
+(config.draft_vocab_size) it also holds the draft tokens' ids, `draft_ids`: the drafts' logits
+are the target's LM head's at those rows only, -inf elsewhere (an inference-time restriction:
+training is unchanged).
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterable, Sequence
+
 import torch
 from torch import nn
 
+from vllm_moa.drafters.draft_vocab import DraftVocab, check_draft_vocab, frequent_tokens
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.token_layers import random_init
 from vllm_moa.model.layers import Attend, DecoderBlock
@@ -52,10 +59,51 @@ class MoADrafter(nn.Module):
             c.rope_theta,
             c.rms_norm_eps,
         )
+        # int64 [draft_vocab_size]: the draft tokens' target ids, strictly ascending, saved with
+        # the weights; None (not saved) for the whole vocabulary. A new drafter starts with the
+        # first draft_vocab_size ids; `choose_draft_vocab` installs the real ones.
+        self.draft_ids: torch.Tensor | None
+        self.register_buffer("draft_ids", _first_ids(c))
+        self.register_load_state_dict_post_hook(_check_loaded_vocab)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.cross_attention.dtype
+
+    def choose_draft_vocab(self, trained: Iterable[Sequence[int]]) -> DraftVocab | None:
+        """Set the draft vocabulary from the training data's trained tokens (each example's;
+        `draft_vocab.frequent_tokens`, as EAGLE-3's), returned; None when the drafter drafts
+        over the whole vocabulary (nothing to choose)."""
+        if not self.config.reduced_vocab:
+            return None
+        assert self.config.draft_vocab_size is not None
+        vocab = frequent_tokens(trained, self.config.vocab_size, self.config.draft_vocab_size)
+        self.set_draft_vocab(vocab.token_ids)
+        return vocab
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Install the draft vocabulary: `token_ids` int [draft_vocab_size], the target ids of
+        the draft tokens, strictly ascending."""
+        if self.draft_ids is None:
+            raise ValueError(
+                f"this MoA drafter drafts over the whole vocabulary (draft_vocab_size "
+                f"{self.config.draft_vocab_size}): it has no draft vocabulary to set; give it one "
+                "first (`set_draft_vocab_size`, or `vllm-moa train --draft-vocab N`)"
+            )
+        ids = token_ids.to(device=self.draft_ids.device, dtype=torch.long)
+        check_draft_vocab(ids, self.draft_ids.shape[0], self.config.vocab_size)
+        with torch.no_grad():
+            self.draft_ids.copy_(ids)
+
+    def set_draft_vocab_size(self, n: int | None) -> None:
+        """Draft over n tokens from now on (the first n ids until `choose_draft_vocab` picks
+        them), or over the whole vocabulary for None: the draft vocabulary is an inference-time
+        choice for MoA (no weights depend on it), so a trained drafter can take a new one
+        (`vllm-moa train --drafter D --draft-vocab N`)."""
+        config = dataclasses.replace(self.config, draft_vocab_size=n)  # validates n
+        device = next(self.parameters()).device
+        self.config = config
+        self.draft_ids = _first_ids(config, device)
 
     def init_weights(self, seed: int, std: float = 0.02, norm_init: str = "ones") -> None:
         """Deterministic random initialisation (normal(0, std) matrices, zero bias, norms of
@@ -123,3 +171,23 @@ class MoADrafter(nn.Module):
         mem_k, mem_v = self.memory_kv(memory, positions)
         mask = memory_mask(memory_limit.reshape(-1), seq).view(-1, 1, seq, seq)
         return self.cross_attention(h, positions, mem_k, mem_v, mask)
+
+
+def _first_ids(config: MoAConfig, device: torch.device | None = None) -> torch.Tensor | None:
+    """The placeholder draft vocabulary of a drafter of `config` (its first draft_vocab_size
+    ids), None for the whole vocabulary."""
+    if not config.reduced_vocab:
+        return None
+    assert config.draft_vocab_size is not None
+    return torch.arange(config.draft_vocab_size, device=device)
+
+
+def _check_loaded_vocab(module: nn.Module, incompatible: object) -> None:
+    """After load_state_dict: the draft ids must ascend within the target's vocabulary."""
+    assert isinstance(module, MoADrafter)
+    if module.draft_ids is None:
+        return
+    try:
+        check_draft_vocab(module.draft_ids, module.draft_ids.shape[0], module.config.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"draft_ids: {e}") from None

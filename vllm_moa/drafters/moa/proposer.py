@@ -8,14 +8,16 @@ State between cycles (p = number of tokens the target has verified):
 
 A cycle drafts from the last token (position p, sampled by the target but not yet run through
 it): SA over the pending tokens, CA over the memory, then TLI's target tail layers (their draft
-K/V are cropped off the target cache afterwards) and the target's LM head. In a hierarchy
+K/V are cropped off the target cache afterwards) and the target's LM head (with a draft
+vocabulary, only its rows of the draft tokens, gathered once: the logits of the other tokens
+are -inf, so neither chains nor trees ever draft them). In a hierarchy
 (hsd/hierarchy.py) the same step drafts after several unverified tokens (`draft_after`) or
 scores a block of them in one pass (`score`), leaving this state as it was.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -42,6 +44,12 @@ class MoAProposer:
         self.memory = KVCache(1)  # CA keys/values of the LSA memory rows
         self.tokens: list[int] = []
         self._last_token: int | None = None  # proposed from, awaiting accept()
+        # Final hidden states [n, E] -> the drafts' logits [n, V] float32: the target's LM head,
+        # or with a draft vocabulary its rows of the draft tokens (-inf at the others).
+        ids = drafter.draft_ids
+        self.lm_logits: Callable[[Tensor], Tensor] = (
+            target.lm_logits if ids is None else target.vocab_head(ids)
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,7 +84,7 @@ class MoAProposer:
     def draft_logits(self, position: int) -> torch.Tensor:
         """Drafter logits [V] predicting token position + 1, given tokens[0..position]."""
         h = self._draft_hidden(position, position)
-        return self.target.lm_logits(h.to(self.target.dtype))[0]
+        return self.lm_logits(h.to(self.target.dtype))[0]
 
     @torch.no_grad()
     def _draft_hidden(self, start: int, end: int) -> torch.Tensor:
@@ -150,7 +158,7 @@ class MoAProposer:
         self.tokens.extend([*pending, *tokens])
         last = p + len(pending) - 1  # the last pending token's position: the first row
         h = self._draft_hidden(p if self.tli else last, len(self.tokens) - 1)
-        logits = self.target.lm_logits(h[-(len(tokens) + 1) :].to(self.target.dtype))
+        logits = self.lm_logits(h[-(len(tokens) + 1) :].to(self.target.dtype))
         self._restore(p)
         return logits
 
@@ -303,4 +311,4 @@ class MoATreeDrafter(TreeSearch):
 
             h = target.run_layers(h[None].to(target.dtype), positions, tail, self.tail, mask_for)
             h = target.norm(h)[0]
-        return target.lm_logits(h.to(target.dtype))
+        return prop.lm_logits(h.to(target.dtype))
