@@ -101,10 +101,14 @@ def _core_on_meta(layers: int = 2) -> tuple[Any, dict[str, Any]]:
     return core_on(torch.device("meta"), layers)
 
 
-def core_on(device: torch.device, layers: int = 2, blocks: int = 6) -> tuple[Any, dict[str, Any]]:
+def core_on(
+    device: torch.device, layers: int = 2, blocks: int = 6, vocab: str | None = None
+) -> tuple[Any, dict[str, Any]]:
     """A drafting core (TLI=0) whose drafter, target view, caches and pages all sit on `device`
     (caches and pages random where they hold values): the GPU layout's stores (TorchPagedKV),
-    one KV-cache group, `blocks` blocks of 16."""
+    one KV-cache group, `blocks` blocks of 16. `vocab`: a draft vocabulary (every third token)
+    whose LM-head rows are "gathered", or whose drafts take the "whole" head's logits."""
+    from vllm_moa.vllm_plugin.draft_vocab import draft_vocab_head
     from vllm_moa.vllm_plugin.drafting import CacheLayout, MoADraftCore
     from vllm_moa.vllm_plugin.paged_attention import page_views
 
@@ -113,6 +117,9 @@ def core_on(device: torch.device, layers: int = 2, blocks: int = 6) -> tuple[Any
     info = TargetInfo(shape, target.config.num_attention_heads)
     drafter = MoADrafter(make_config(info, preset="small"))
     drafter.init_weights(seed=3)
+    if vocab is not None:  # set on the host: the ids are checked on load, which reads them
+        drafter.set_draft_vocab_size(len(range(0, shape.vocab_size, 3)))
+        drafter.set_draft_vocab(torch.arange(0, shape.vocab_size, 3))
     drafter = drafter.eval().to(device)
     pages = _pages(drafter, target)
     cache_shape = (blocks, shape.num_kv_heads, 16, 2 * shape.head_dim)
@@ -123,16 +130,24 @@ def core_on(device: torch.device, layers: int = 2, blocks: int = 6) -> tuple[Any
     ]
     embed = torch.nn.Embedding(shape.vocab_size, shape.hidden_size, device=device)
     head = torch.nn.Linear(shape.hidden_size, shape.vocab_size, bias=False, device=device)
+
+    def lm_head_rows(ids: torch.Tensor) -> torch.Tensor | None:
+        return head.weight.detach()[ids] if vocab == "gathered" else None
+
     view = SimpleNamespace(
         shape=shape, attn_layers=attns, layer_names=[f"t{i}" for i in range(layers)],
-        embed=embed, logits=head,
+        embed=embed, logits=head, lm_head_rows=lm_head_rows,
     )  # fmt: skip
+    draft_head = None
+    if vocab is not None:
+        assert drafter.draft_ids is not None and drafter.draft_ids.device == device
+        draft_head = draft_vocab_head(view, drafter.draft_ids, tp=1, cpu_gemm=False)  # type: ignore[arg-type]
     pages.layers = {name: SimpleNamespace(layer_name=f"p.{name}") for name in pages.fields}  # type: ignore[misc]
     core = object.__new__(MoADraftCore)
     core.__dict__.update(
         drafter=drafter, target=view, device=device, tp=1, vllm_config=None,
         target_dtype=torch.float32, backend="FLASH_ATTN", pages=pages, _cpu_layouts={},
-        _group_cache=None,
+        _group_cache=None, vocab=draft_head,
         _draft_step=paged_draft_step, _page_rows=page_rows,
         layout=CacheLayout({**dict.fromkeys(view.layer_names, (0, 16)),
                             **dict.fromkeys(["p.memory", "p.sa"], (0, 16))}, [[]]),
@@ -178,6 +193,16 @@ def test_the_draft_path_never_reads_the_device_from_the_host():
     that path would raise. So it has no host synchronisation and fixed shapes, what a CUDA graph
     needs to capture it (the V2 runner's speculators capture their draft loops)."""
     core, info = _core_on_meta()
+    drafts = _run_step_on_meta(core, info["vocab"])
+    assert drafts.shape == (3, 4) and drafts.device.type == "meta"
+
+
+@pytest.mark.parametrize("vocab", ["gathered", "whole"])
+def test_the_draft_vocabulary_path_never_reads_the_device_from_the_host(vocab):
+    """The same with a draft vocabulary, its LM-head rows gathered or not: the drafts' mapping
+    to token ids adds no host read and no data-dependent shape."""
+    core, info = core_on(torch.device("meta"), vocab=vocab)
+    assert core.vocab.gathered == (vocab == "gathered")
     drafts = _run_step_on_meta(core, info["vocab"])
     assert drafts.shape == (3, 4) and drafts.device.type == "meta"
 

@@ -8,7 +8,8 @@ clock or environment:
   tokens, from the target's K/V of every layer at their slots;
 - `draft(DraftInputs)`: K greedy draft steps for a batch of requests, each from its last token,
   on the pages in place (and for TLI through the target's own last layers), returned as a device
-  tensor [B, K]: no host synchronisation.
+  tensor [B, K]: no host synchronisation. With a draft vocabulary (`vocab`, draft_vocab.py) the
+  drafts are its tokens only.
 
 The adapters (proposer.py for V1, speculator.py for V2) turn a runner's step into these views.
 `CacheLayout` says which KV-cache group (and block size) holds each layer and carries the
@@ -29,6 +30,7 @@ import torch
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
 from vllm_moa.vllm_plugin.compiled import Compiled
+from vllm_moa.vllm_plugin.draft_vocab import DraftVocabHead
 from vllm_moa.vllm_plugin.kv_reader import CpuBlockLayout, gather_layer_kv
 from vllm_moa.vllm_plugin.logs import LOGGER_NAME
 from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV, bind_stores
@@ -91,8 +93,12 @@ class MoADraftCore:
         vllm_config: Any,
         device: torch.device,
         tp: int = 1,
+        vocab: DraftVocabHead | None = None,
     ) -> None:
+        """`vocab`: the drafter's draft vocabulary's head (draft_vocab.py), None for drafts
+        over the whole vocabulary."""
         self.drafter, self.target, self.device, self.tp = drafter, target, device, tp
+        self.vocab = vocab
         self.vllm_config = vllm_config
         self.target_dtype: torch.dtype = vllm_config.model_config.dtype
         self.backend: str = target.attn_layers[0].attn_backend.get_name()
@@ -280,10 +286,17 @@ class MoADraftCore:
                     slot_mapping,
                     self.vllm_config,
                 )
-            tokens = target.logits(h.to(self.target_dtype)).argmax(dim=-1)
+            tokens = self._greedy(h.to(self.target_dtype))
             drafted.append(tokens)
             positions = positions + 1
         return torch.stack(drafted, dim=1)
+
+    def _greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [B, E] -> the greedy drafts [B]: the argmax of the target's
+        logits, over the draft vocabulary when the drafter has one."""
+        if self.vocab is None:
+            return self.target.logits(h).argmax(dim=-1)
+        return self.vocab.argmax(h, self.target.logits)
 
     def _tail_metadata(
         self, inputs: DraftInputs, positions: torch.Tensor, max_seq_len: int

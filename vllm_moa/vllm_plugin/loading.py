@@ -13,6 +13,7 @@ from vllm_moa.checkpoint.io import load_drafter
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.vllm_plugin.compiled import compile_wanted
 from vllm_moa.vllm_plugin.cpu_linear import dispatch_linears
+from vllm_moa.vllm_plugin.draft_vocab import DraftVocabHead, draft_vocab_head
 from vllm_moa.vllm_plugin.drafting import MoADraftCore
 from vllm_moa.vllm_plugin.kv_reader import check_backend
 from vllm_moa.vllm_plugin.logs import LOGGER_NAME
@@ -46,9 +47,11 @@ def load_core(target_model: torch.nn.Module, vllm_config: Any, tp: int) -> MoADr
     cache_dtype = vllm_config.cache_config.cache_dtype
     for attn in target.attn_layers:
         check_backend(attn.attn_backend.get_name(), str(cache_dtype))
-    if device.type == "cpu" and os.environ.get(CPU_GEMM_ENV, "1") != "0":
+    cpu_gemm = device.type == "cpu" and os.environ.get(CPU_GEMM_ENV, "1") != "0"
+    if cpu_gemm:
         dispatch_linears(drafter)  # vLLM's CPU GEMMs, as the target's layers use
-    core = MoADraftCore(drafter.eval(), target, vllm_config, device, tp)
+    vocab = _draft_vocab(drafter, target, tp, cpu_gemm)
+    core = MoADraftCore(drafter.eval(), target, vllm_config, device, tp, vocab)
     compiled = compile_wanted(vllm_config)
     if compiled:
         core.compile(int(vllm_config.cache_config.block_size), int(spec.num_speculative_tokens))
@@ -61,3 +64,22 @@ def load_core(target_model: torch.nn.Module, vllm_config: Any, tp: int) -> MoADr
         "compiled" if compiled else "eager",
     )
     return core
+
+
+def _draft_vocab(
+    drafter: MoADrafter, target: VllmTargetView, tp: int, cpu_gemm: bool
+) -> DraftVocabHead | None:
+    """The head of the drafter's draft vocabulary (its LM-head rows gathered once, here), None
+    when it drafts over the whole vocabulary."""
+    if drafter.draft_ids is None:
+        return None
+    vocab = draft_vocab_head(target, drafter.draft_ids, tp, cpu_gemm)
+    logger.info(
+        "MoA draft vocabulary: %d of %d tokens, %s",
+        vocab.token_ids.shape[0],
+        target.shape.vocab_size,
+        "drafted from their LM-head rows, gathered once"
+        if vocab.gathered
+        else "drafted from the whole LM head (sharded or quantized: the rows cannot be gathered)",
+    )
+    return vocab

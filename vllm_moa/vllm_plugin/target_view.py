@@ -59,6 +59,37 @@ class VllmTargetView:
         compute_logits: Any = self.model.compute_logits
         return compute_logits(hidden)
 
+    def lm_head_rows(self, token_ids: torch.Tensor) -> torch.Tensor | None:
+        """The LM head's rows of `token_ids` (int64 [n]) [n, E], copied, in the dtype
+        compute_logits multiplies in, when the argmax of `hidden @ rows.T` is the argmax of
+        compute_logits' columns `token_ids` on an unsharded head (the caller checks tensor
+        parallelism): the head is one unquantized, bias-free weight, and the logits processor
+        reads the head (not logits given as input) and scales by a positive factor; it may also
+        soft-cap (tanh). Both are strictly increasing, so the order of the head's raw outputs is
+        that of the logits. None otherwise (a quantized head, a bias, another processing): the
+        caller takes compute_logits' columns instead."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+        )
+
+        head: Any = getattr(self.model, "lm_head", None)
+        processor: Any = getattr(self.model, "logits_processor", None)
+        weight = getattr(head, "weight", None)
+        if (
+            processor is None
+            or not isinstance(getattr(head, "quant_method", None), UnquantizedEmbeddingMethod)
+            or getattr(head, "bias", None) is not None
+            or not isinstance(weight, torch.Tensor)
+            or weight.dim() != 2
+            or weight.shape[1] != self.shape.hidden_size
+            or weight.shape[0] < self.shape.vocab_size  # rows past V: vLLM's padding
+            or getattr(processor, "logits_as_input", False)
+            or not float(getattr(processor, "scale", 1.0)) > 0
+        ):
+            return None
+        dtype = getattr(processor, "head_dtype", None) or weight.dtype
+        return weight.detach()[token_ids.to(weight.device)].to(dtype)
+
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.inner.norm(hidden)
 

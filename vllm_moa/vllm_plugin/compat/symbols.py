@@ -469,6 +469,65 @@ SYMBOLS: tuple[Symbol, ...] = (
         ("self", "x", "residual"),
         used_by="target_view",
     ),
+    # MoA's draft vocabulary (draft_vocab.py): the LM head's rows of the draft tokens are
+    # gathered when the head is one unquantized weight without a bias and the logits processor
+    # reads it and scales by a positive factor (target_view.lm_head_rows); else compute_logits.
+    Symbol(
+        "vllm/model_executor/layers/logits_processor.py",
+        "LogitsProcessor.head_dtype",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/logits_processor.py",
+        "LogitsProcessor.logits_as_input",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/logits_processor.py",
+        "LogitsProcessor.scale",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/vocab_parallel_embedding.py",
+        "<module>",
+        "module",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/vocab_parallel_embedding.py",
+        "ParallelLMHead.bias",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/vocab_parallel_embedding.py",
+        "UnquantizedEmbeddingMethod",
+        "class",
+        used_by="target_view",
+    ),
+    # Registers the head's `weight` [V_padded / tp, E] (layer.register_parameter).
+    Symbol(
+        "vllm/model_executor/layers/vocab_parallel_embedding.py",
+        "UnquantizedEmbeddingMethod.create_weights",
+        "method",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/layers/vocab_parallel_embedding.py",
+        "VocabParallelEmbedding.quant_method",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    # Registered by create_weights; assigned when the head is tied to the embeddings.
+    Symbol(
+        "vllm/model_executor/layers/vocab_parallel_embedding.py",
+        "VocabParallelEmbedding.weight",
+        "instance-attribute",
+        used_by="target_view",
+    ),
     # Sets layer.cpu_linear, which cpu_linear.py calls as cpu_linear(x, weight, bias).
     Symbol(
         "vllm/model_executor/layers/utils.py",
@@ -501,6 +560,18 @@ SYMBOLS: tuple[Symbol, ...] = (
         "LlamaForCausalLM.compute_logits",
         "method",
         ("self", "hidden_states"),
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaForCausalLM.lm_head",
+        "instance-attribute",
+        used_by="target_view",
+    ),
+    Symbol(
+        "vllm/model_executor/models/llama.py",
+        "LlamaForCausalLM.logits_processor",
+        "instance-attribute",
         used_by="target_view",
     ),
     Symbol(
