@@ -98,12 +98,11 @@ def _update(est: AcceptancePrior | AcceptanceTracker, drafted: int, accepted: in
     """One verify step's evidence into `est`: position j's estimate moves by 1 / (observations
     so far + the start's pseudo-count), never less than `weight` (a running mean of the first
     observations, then an exponential average over about 1 / weight of them)."""
-    for j in range(min(drafted, est.k_max)):
-        if j > accepted:
-            break  # not tested: drafts after the first rejection
-        w = running_weight(est.weight, est.seen[j] + est.pseudo + 1.0)
-        est.seen[j] += 1.0
-        est.alpha[j] += w * ((1.0 if j < accepted else 0.0) - est.alpha[j])
+    alpha, seen, floor, pseudo = est.alpha, est.seen, est.weight, est.pseudo + 1.0
+    for j in range(min(drafted, accepted + 1, est.k_max)):  # none tested after a rejection
+        w = max(floor, 1.0 / (seen[j] + pseudo))  # running_weight, inlined: a hot loop
+        seen[j] += 1.0
+        alpha[j] += w * ((1.0 if j < accepted else 0.0) - alpha[j])
 
 
 def _explore(est: AcceptancePrior | AcceptanceTracker, drafted: int, rate: float) -> None:
@@ -755,8 +754,15 @@ def best_draft_steps(
     n = len(trackers)
     plain = best = n / max(verify, 1e-12)
     best_m = 0
+    # The batch's expected extra tokens from draft j, summed once per depth (O(batch * k)):
+    # E(m) = n + sum_{j < m} depth[j].
+    depth = [0.0] * k
+    for t in trackers:
+        for j, g in enumerate(t.gains(k)):
+            depth[j] += g
+    expected = float(n)
     for m in range(1, k + 1):
-        expected = sum(t.expected_tokens(m) for t in trackers)
+        expected += depth[m - 1]
         rate = expected / max(verify + costs.draft_time(m, n * m), 1e-12)
         if rate > best * (1.0 + 1e-9):
             best_m, best = m, rate

@@ -193,15 +193,17 @@ class DraftSteps:
         return all(self._done(span) for span in (step.target, step.draft) if span is not None)
 
     def _learn(self, step: _Step) -> None:
-        rejected = step.rejected.numpy()
         if step.drafted_before:
-            for i, req_id in enumerate(step.req_ids):
-                slots = int(step.verified[i])
-                if slots <= 0 or req_id not in self.trackers:
+            trackers = self.trackers
+            verdicts = zip(
+                step.req_ids, step.verified.tolist(), step.rejected.tolist(), strict=True
+            )
+            for req_id, slots, rejected in verdicts:
+                tracker = trackers.get(req_id)
+                if slots <= 0 or tracker is None:
                     continue
                 drafted = min(step.drafted_before, slots)
-                accepted = min(max(slots - int(rejected[i]), 0), drafted)
-                self.trackers[req_id].observe(drafted, accepted)
+                tracker.observe(drafted, min(max(slots - rejected, 0), drafted))
         costs = self.lengths.costs
         if step.target is not None and self._done(step.target):
             seconds = self.clock.seconds(*step.target)
