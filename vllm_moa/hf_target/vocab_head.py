@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from vllm_moa.model.draft_logits import full_vocab_logits
 from vllm_moa.model.packed_linear import pack_linears
 
 
@@ -47,5 +48,4 @@ class VocabHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         draft = self.rows(hidden).float()  # [..., n]
-        full = draft.new_full((*draft.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.token_ids, draft)
+        return full_vocab_logits(draft, self.token_ids, self.vocab_size)

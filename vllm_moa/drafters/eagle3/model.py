@@ -14,6 +14,7 @@ from vllm_moa.drafters.draft_vocab import DraftVocab, check_draft_vocab, frequen
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle3.config import Eagle3Config
 from vllm_moa.drafters.token_layers import TokenLayerConfig
+from vllm_moa.model.draft_logits import full_vocab_logits
 from vllm_moa.model.layers import Attend, Attention, DecoderBlock, RMSNorm
 
 
@@ -183,8 +184,7 @@ class Eagle3Drafter(EagleDrafter):
         draft = self.lm_head(self.norm(states.to(self.fc.weight.dtype)))
         if self.d2t is None:
             return draft
-        full = draft.new_full((*draft.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy(-1, self.draft_token_ids(), draft)
+        return full_vocab_logits(draft, self.draft_token_ids(), self.config.vocab_size)
 
 
 def _check_loaded_vocab(module: nn.Module, incompatible: object) -> None:
