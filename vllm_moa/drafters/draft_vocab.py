@@ -63,3 +63,14 @@ def check_draft_vocab(ids: torch.Tensor, draft_vocab_size: int, vocab_size: int)
             "(draft id i = the i-th smallest, as the authors' d2t and vLLM's scatter need); "
             "rebuild it (`vllm-moa train --draft-vocab`)"
         )
+
+
+def check_loaded_draft_vocab(
+    buffer: str, ids: torch.Tensor, draft_vocab_size: int, vocab_size: int
+) -> None:
+    """`check_draft_vocab` on a drafter's draft vocabulary as loaded (a load_state_dict hook's
+    check), its error naming the buffer it was read from (`buffer`: "d2t", "draft_ids")."""
+    try:
+        check_draft_vocab(ids, draft_vocab_size, vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{buffer}: {e}") from None

@@ -10,7 +10,12 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from vllm_moa.drafters.draft_vocab import DraftVocab, check_draft_vocab, frequent_tokens
+from vllm_moa.drafters.draft_vocab import (
+    DraftVocab,
+    check_draft_vocab,
+    check_loaded_draft_vocab,
+    frequent_tokens,
+)
 from vllm_moa.drafters.eagle.model import EagleDrafter
 from vllm_moa.drafters.eagle3.config import Eagle3Config
 from vllm_moa.drafters.token_layers import TokenLayerConfig
@@ -193,10 +198,7 @@ def _check_loaded_vocab(module: nn.Module, incompatible: object) -> None:
     assert isinstance(module, Eagle3Drafter) and module.t2d is not None
     config = module.config
     ids = module.draft_token_ids()
-    try:
-        check_draft_vocab(ids, config.draft_vocab_size, config.vocab_size)
-    except ValueError as e:
-        raise ValueError(f"d2t: {e}") from None
+    check_loaded_draft_vocab("d2t", ids, config.draft_vocab_size, config.vocab_size)
     marked = torch.zeros_like(module.t2d)
     marked[ids] = True
     if not bool((marked == module.t2d).all()):  # device sync

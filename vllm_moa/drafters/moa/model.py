@@ -16,7 +16,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from vllm_moa.drafters.draft_vocab import DraftVocab, check_draft_vocab, frequent_tokens
+from vllm_moa.drafters.draft_vocab import (
+    DraftVocab,
+    check_draft_vocab,
+    check_loaded_draft_vocab,
+    frequent_tokens,
+)
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.token_layers import random_init
 from vllm_moa.model.layers import Attend, DecoderBlock
@@ -187,7 +192,5 @@ def _check_loaded_vocab(module: nn.Module, incompatible: object) -> None:
     assert isinstance(module, MoADrafter)
     if module.draft_ids is None:
         return
-    try:
-        check_draft_vocab(module.draft_ids, module.draft_ids.shape[0], module.config.vocab_size)
-    except ValueError as e:
-        raise ValueError(f"draft_ids: {e}") from None
+    ids = module.draft_ids
+    check_loaded_draft_vocab("draft_ids", ids, ids.shape[0], module.config.vocab_size)
