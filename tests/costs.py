@@ -15,7 +15,8 @@ def fixed_costs(
     """A `StepCosts` class that learns a draft step of `draft_step` seconds and a verify step of
     `verify_base + verify_per_token * tokens` seconds whatever it is told was measured. Replace
     the class where the engine under test makes its cost model (e.g. `monkeypatch.setattr(
-    proposer, "StepCosts", fixed_costs(0.001))`); in a vLLM process, from a setup string.
+    proposer, "StepCosts", fixed_costs(0.001))`); in a vLLM process, from a setup string
+    (`costs_setup`).
     `fixed_prefill`: prompt steps are learnt at the verify step's line too (by default their
     measured time is learnt, and it bounds the cost of verify steps larger than any seen, so
     the draft lengths chosen may still follow this machine's timings)."""
@@ -35,3 +36,18 @@ def fixed_costs(
             super().observe_prefill(tokens, seconds)
 
     return FixedCosts
+
+
+def costs_setup(module: str, step_costs: str, defs: str = "") -> str:
+    """Setup source for a vLLM process (a run's "setup" in chains.py's `ENGINES`, or every
+    process through `worker_setup_env`) that replaces the `StepCosts` of `module` (where the
+    engine under test makes its cost model), read there as `_<its last name>`, by `step_costs`:
+    a Python expression, which may call `_fixed_costs` (`fixed_costs` above) and name what `defs`
+    defines (source run after the imports, before the replacement; other patches may go there)."""
+    alias = "_" + module.rpartition(".")[2]
+    return (
+        f"import {module} as {alias}\n"
+        "from tests.costs import fixed_costs as _fixed_costs\n"
+        f"{defs}"
+        f"{alias}.StepCosts = {step_costs}\n"
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.costs import costs_setup
 from tests.deps import need
 from tests.servers import serving
 from tests.vllm_integration.chains import worker_setup_env
@@ -20,11 +21,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # injected at start-up (tests/costs.py): a draft step priced at 1/100 of a target step. With
 # measured costs the rule may rightly stop drafting on this 1-3 ms target when the machine is
 # loaded (seen once), and the tests that count drafts would see none.
-CHEAP_DRAFTS = (
-    "import vllm_moa.adaptive as _adaptive\n"
-    "from tests.costs import fixed_costs as _fixed_costs\n"
-    "_adaptive.StepCosts = _fixed_costs(0.0002)\n"
-)
+CHEAP_DRAFTS = costs_setup("vllm_moa.adaptive", "_fixed_costs(0.0002)")
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.costs import costs_setup
 from tests.vllm_integration.chains import (
     ENGINES,
     assert_chains_are_the_standalone_proposers,
@@ -44,12 +45,13 @@ def per_rank_costs(choices: Path) -> str:
     500 target steps on rank 1 (alone, rank 1 would draft nothing), the guard off (the injected
     model decides alone); and each call of `same_on_every_rank` appended to `choices` as [the
     rank's own lengths, the lengths it drafts]."""
-    return f"""
+    return costs_setup(
+        "vllm_moa.vllm_plugin.proposer",
+        "_costs_of_this_rank",
+        defs=f"""
 import json as _json
 
-import vllm_moa.vllm_plugin.proposer as _proposer
 from vllm_moa.adaptive import DraftGuard as _DraftGuard
-from tests.costs import fixed_costs as _fixed_costs
 
 
 def _costs_of_this_rank(*args, **kwargs):
@@ -66,10 +68,10 @@ def _recorded(values, _same=_proposer.same_on_every_rank):
     return chosen
 
 
-_proposer.StepCosts = _costs_of_this_rank
 _proposer.DraftGuard = lambda: _DraftGuard(enabled=False)
 _proposer.same_on_every_rank = _recorded
-"""
+""",
+    )
 
 
 def test_tp2_drafts_are_the_standalone_proposers(

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.costs import costs_setup
 from tests.vllm_integration import v2_on_cpu
 from tests.vllm_integration.chains import (
     ENGINES,
@@ -289,11 +290,7 @@ def test_v2_honours_the_batch_size_schedule(moa_pair, tmp_path):
 # interpreted here (~200 ms) while a draft step is not (~1.3 ms), so drafting looks almost free
 # and the rule rightly keeps drafting even a useless drafter's tokens.
 def drafts_costing(draft: float) -> str:
-    return f"""
-import vllm_moa.vllm_plugin.draft_steps as draft_steps
-from tests.costs import fixed_costs
-draft_steps.StepCosts = fixed_costs({draft})
-"""
+    return costs_setup("vllm_moa.vllm_plugin.draft_steps", f"_fixed_costs({draft})")
 
 
 CHEAP_DRAFTS = drafts_costing(0.0002)  # 1/100 of a target step
