@@ -1,7 +1,7 @@
-"""Drafter math every kind shares, no vLLM imports: config base and target shape (config.py),
-layers, rotary embeddings (rope.py), masks, the KV cache, a draft vocabulary's logits over the
-whole vocabulary (draft_logits.py), and presets sizing each kind for a target (presets.py).
+"""Drafter math every kind shares, no vLLM imports: config base and target shape (config.py,
+target_info.py), layers (layers.py, packed_linear.py), rotary embeddings (rope.py), masks, the
+KV cache, and a draft vocabulary's logits over the whole vocabulary (draft_logits.py).
 
-The kinds themselves live in vllm_moa.drafters. Nothing is re-exported here: presets.py imports
-each kind's config, which imports config.py here, so a re-export would make an import cycle.
+The kinds themselves live in vllm_moa.drafters (with the presets sizing each kind for a target,
+drafters/presets.py). Nothing is re-exported here.
 """
