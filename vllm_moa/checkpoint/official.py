@@ -24,8 +24,6 @@ tensor means a quantized or foreign checkpoint) or that hold NaN / Inf.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +31,17 @@ from typing import Any
 import torch
 
 from vllm_moa.checkpoint.io import load_checked, load_state_dict, save_drafter
+from vllm_moa.checkpoint.release_files import (
+    check_float_weights,
+    finite,
+    positive,
+    read_json_object,
+    rope_scaling_in,
+    whole,
+)
 from vllm_moa.drafters.moa.config import MoAConfig
 from vllm_moa.drafters.moa.model import MoADrafter
 from vllm_moa.model.config import TargetShape
-from vllm_moa.model.rope import rope_scaling_of, scaled_frequencies
 from vllm_moa.model.target_info import TargetInfo
 
 BLOCKS = ("layer_self_attention", "self_attention", "cross_attention")
@@ -52,9 +57,6 @@ _ATTN_ALIASES = {
 _SIZES = ("_num_key_value_heads", "_intermediate_size")
 # config.json keys recording TLI (neither release layout writes one; ours and their argument's).
 _TLI_KEYS = ("tli", "target_layer_inference")
-# The dtypes a release's tensors may have (the converted drafter keeps them); others are refused.
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_AGAIN = "copy or download the release again"
 
 
 @dataclass(frozen=True)
@@ -85,43 +87,7 @@ class ReleaseConfig:
 def _int(cfg: dict[str, Any], key: str, path: Path, layout: str) -> int:
     if key not in cfg:
         raise ValueError(f"{path} ({layout} layout) lacks {key!r}")
-    value = _whole(cfg[key], key, path)
-    if value <= 0:  # a size or a count
-        raise ValueError(
-            f"{path}: {key} must be positive, got {value}; correct it there or {_AGAIN}"
-        )
-    return value
-
-
-def _whole(value: Any, key: str, path: Path) -> int:
-    """`value`, the integer config.json gives `key`, or a ValueError naming both."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
-            f"{path}: {key} must be an integer, got {value!r}; correct it there or {_AGAIN}"
-        )
-    return value
-
-
-def _finite(value: Any, key: str, path: Path) -> float:
-    """`value`, the finite number config.json gives `key`, or a ValueError naming both."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(
-            f"{path}: {key} must be a finite number, got {value!r}; correct it there or {_AGAIN}"
-        )
-    return float(value)
-
-
-def _rope_scaling(
-    cfg: dict[str, Any], path: Path, head_dim: int, theta: float
-) -> dict[str, Any] | None:
-    """The target's RoPE scaling (their SA applies it), checked as the drafter will apply it."""
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters")  # transformers 4 / 5 spelling
-    scaling = rope_scaling_of(
-        params if isinstance(params, dict) else None, cfg.get("max_position_embeddings")
-    )
-    if scaling is not None:
-        scaled_frequencies(head_dim, theta, scaling, f"{path}'s RoPE scaling")
-    return scaling
+    return positive(cfg[key], key, path)
 
 
 def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
@@ -130,39 +96,21 @@ def _rope_theta(cfg: dict[str, Any], path: Path) -> float:
     theta = cfg.get("rope_theta", params.get("rope_theta") if isinstance(params, dict) else None)
     if theta is None:
         raise ValueError(f"{path} lacks 'rope_theta' (the target's RoPE base the drafter uses)")
-    return _finite(theta, "rope_theta", path)
+    return finite(theta, "rope_theta", path)
 
 
 def _recorded_tli(cfg: dict[str, Any], path: Path) -> int | None:
     for key in _TLI_KEYS:
         if key in cfg:
-            return _whole(cfg[key], key, path)
+            return whole(cfg[key], key, path)
     return None
-
-
-def _read_json_object(path: Path) -> dict[str, Any]:
-    """The JSON object in `path`, or a ValueError naming the file and the defect."""
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(
-            f"{path} is not valid JSON ({e}): truncated or damaged; {_AGAIN}"
-        ) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read {path} as text ({e}): damaged; {_AGAIN}") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(
-            f"{path} holds a JSON {type(cfg).__name__}, not an object: not a release's "
-            "config.json; pass the directory of the MoA authors' release"
-        )
-    return cfg
 
 
 def read_release_config(src: Path) -> ReleaseConfig:
     path = src / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{src} has no config.json")
-    cfg = _read_json_object(path)
+    cfg = read_json_object(path)
     if cfg.get("disable_LSA"):
         raise ValueError(f"{path} sets disable_LSA: a drafter without LSA is not a MoA drafter")
     if cfg.get("model_type") == MOA_SPEC:
@@ -176,16 +124,16 @@ def read_release_config(src: Path) -> ReleaseConfig:
         )
     hidden, theta = _int(cfg, "hidden_size", path, layout), _rope_theta(cfg, path)
     heads = _int(cfg, "num_attention_heads", path, layout)
-    head_dim = _whole(cfg.get("head_dim") or hidden // heads, "head_dim", path)
+    head_dim = whole(cfg.get("head_dim") or hidden // heads, "head_dim", path)
     if layout == MOA_SPEC:
         kv_width, odd = divmod(_int(cfg, "kv_hidden_size", path, layout), 2)
         stated = {
-            k: _whole(v, k, path)
+            k: whole(v, k, path)
             for k, v in cfg.items()
             if k.startswith(BLOCKS) and k.endswith(_SIZES)
         }
     else:
-        kv_heads = _whole(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", path)
+        kv_heads = whole(cfg.get("num_key_value_heads") or heads, "num_key_value_heads", path)
         kv_width, odd = kv_heads * head_dim, 0
         stated = {}
     if odd or kv_width % head_dim:
@@ -202,8 +150,8 @@ def read_release_config(src: Path) -> ReleaseConfig:
         kv_width=kv_width,
         vocab_size=_int(cfg, "vocab_size", path, layout),
         rope_theta=theta,
-        rope_scaling=_rope_scaling(cfg, path, hidden // heads, theta),
-        rms_norm_eps=_finite(cfg.get("rms_norm_eps", 1e-5), "rms_norm_eps", path),
+        rope_scaling=rope_scaling_in(cfg, path, hidden // heads, theta),  # their SA applies it
+        rms_norm_eps=finite(cfg.get("rms_norm_eps", 1e-5), "rms_norm_eps", path),
         num_layers=num_layers,
         tli=_recorded_tli(cfg, path),
         stated=stated,
@@ -273,29 +221,9 @@ def _read_weights(src: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for f in files:
         tensors = load_state_dict(f)
-        _check_weights(tensors, f)
+        check_float_weights(tensors, f)
         state.update(tensors)
     return state
-
-
-def _check_weights(state: dict[str, torch.Tensor], file: Path) -> None:
-    """Refuse tensors the converted drafter could not use as written: not floating point (never
-    cast) or holding NaN / Inf (the converted drafter would not load), naming the first three."""
-    other = [n for n, t in sorted(state.items()) if t.dtype not in _FLOAT_DTYPES]
-    if other:
-        named = ", ".join(f"{n} ({str(state[n].dtype).removeprefix('torch.')})" for n in other[:3])
-        raise ValueError(
-            f"{file}: {len(other)} of {len(state)} tensors are not float32 / bfloat16 / float16 / "
-            f"float64: {named}{', ...' if len(other) > 3 else ''}; the authors' releases are "
-            "floating point (an integer or fp8 tensor: a quantized or foreign checkpoint, which is "
-            "not cast): pass the release as published"
-        )
-    bad = [n for n, t in sorted(state.items()) if not bool(torch.isfinite(t).all())]
-    if bad:
-        raise ValueError(
-            f"{file}: {len(bad)} of {len(state)} tensors hold NaN or Inf: {', '.join(bad[:3])}"
-            f"{', ...' if len(bad) > 3 else ''}; a damaged copy: {_AGAIN}"
-        )
 
 
 def _rename(key: str) -> str | None:
