@@ -176,6 +176,7 @@ def test_our_export_writes_their_release(tmp_path):
     release = load_file(str(DATA / "release" / "model.safetensors"))
     assert sorted(exported) == sorted(set(release) - {"d2t", "t2d"})
     assert all(torch.equal(exported[name], release[name]) for name in exported)
+    assert all(exported[name].dtype == release[name].dtype for name in exported)  # bfloat16
     config = json.loads((out / "config.json").read_text())
     theirs = json.loads((DATA / "release" / "config.json").read_text())
     for key in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads"):

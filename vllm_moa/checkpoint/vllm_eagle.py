@@ -27,14 +27,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from vllm_moa.checkpoint.io import (
     CONFIG_NAME,
+    WEIGHT_DTYPES,
     WEIGHTS_NAME,
     drafter_dir_of,
     load_config,
     load_drafter,
+    read_header,
 )
 from vllm_moa.drafters.eagle.config import EagleConfig
 from vllm_moa.drafters.eagle.model import EagleDrafter
@@ -129,6 +132,10 @@ def export_vllm_eagle(drafter_dir: str | Path, target_dir: str | Path, out_dir: 
     config.check_target(load_target_info(target_dir).shape)
     drafter = load_drafter(drafter_dir)
     assert isinstance(drafter, EagleDrafter)
+    # Written in the dtype the drafter is stored in (load_drafter gives float32), so a
+    # bfloat16 drafter exports as bfloat16, its values unchanged.
+    stored = read_header(drafter_dir / WEIGHTS_NAME)["fc.weight"].dtype
+    drafter = drafter.to(getattr(torch, WEIGHT_DTYPES[stored]))
     # Ours: fc.weight, layer.<llama names> (EAGLE-3: also norm, lm_head); vLLM's EAGLE:
     # layers.0.<llama names>; EAGLE-3's release: midlayer.<llama names>.
     layer = "midlayer." if isinstance(config, Eagle3Config) else "layers.0."
