@@ -9,7 +9,9 @@ inference drafter prefilled with P = 6 verified tokens then a chain of D = 7 dra
 the data; their own `topK_genrate` with top_k 1 (the greedy chain); their training-time test, 7
 steps over T = 16 tokens, each step's logits and loss. The release loads into our
 `Eagle3Drafter` by renaming `midlayer.` to `layer.` (d2t / t2d are the identity maps of a
-whole-vocabulary draft and are dropped); `export-eagle` writes it back as their tensors.
+whole-vocabulary draft and are dropped); `export-eagle` writes it back as their tensors. The
+renaming here is written by hand, apart from `vllm-moa convert-official`'s
+(checkpoint/official_eagle3.py), which tests/test_convert_eagle3.py checks against it.
 
 Positions. Their training step j (0-based) at position t reads the feature of target position t
 (fc's at step 0, step j-1's output at t after), the token x[t+1+j] and RoPE position t + j, and

@@ -61,8 +61,9 @@ _TLI_KEYS = ("tli", "target_layer_inference")
 
 @dataclass(frozen=True)
 class ConvertOptions:
-    tli: int | None = None  # None: the release's own record (config.json "tli"), else refused
-    target: TargetInfo | None = None  # the target (--target); the moa_spec layout needs it
+    # MoA's TLI; None: the release's own record (config.json "tli"), else refused. EAGLE-3: None.
+    tli: int | None = None
+    target: TargetInfo | None = None  # the target (--target); moa_spec and EAGLE-3 need it
 
 
 @dataclass(frozen=True)
@@ -119,8 +120,10 @@ def read_release_config(src: Path) -> ReleaseConfig:
         layout, num_layers = TRAINING, _int(cfg, "num_hidden_layers", path, TRAINING)
     else:
         raise ValueError(
-            f"{path} is neither of the release's layouts: no model_type 'moa_spec' (their "
-            "vllm/convert_checkpoint.py's) and no 'num_hidden_layers' (their save_pretrained's)"
+            f"{path} is neither of the MoA release's layouts: no model_type 'moa_spec' (their "
+            "vllm/convert_checkpoint.py's) and no 'num_hidden_layers' (their save_pretrained's); "
+            "nor an EAGLE-3 release (no draft_vocab_size, no Eagle3 architecture, no midlayer.* "
+            "tensors)"
         )
     hidden, theta = _int(cfg, "hidden_size", path, layout), _rope_theta(cfg, path)
     heads = _int(cfg, "num_attention_heads", path, layout)
@@ -320,14 +323,13 @@ def moa_config(
     )
 
 
-def convert_official(
+def convert_moa_release(
     src: str | Path, dst: str | Path, options: ConvertOptions | None = None
 ) -> Path:
-    """Convert a released MoA drafter directory (either layout) into a vllm-moa drafter."""
+    """Convert a released MoA drafter directory (either layout) into a vllm-moa drafter
+    (`convert.convert_official` tells the authors' releases apart)."""
     opts = options or ConvertOptions()
     src = Path(src)
-    if not src.is_dir():
-        raise FileNotFoundError(f"source checkpoint directory {src} does not exist")
     release = read_release_config(src)
     target = target_of(release, opts.target)
     state = _drafter_state(src)

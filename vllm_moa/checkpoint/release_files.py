@@ -1,7 +1,8 @@
-"""Reading a published drafter's files (the MoA authors' release: official.py) without trusting
-them: config.json as a JSON object of integer sizes and finite numbers, weights of floating
-point without NaN / Inf. Every refusal is one
-ValueError naming the file, the defect and the fix."""
+"""Reading a published drafter's files (the MoA authors' release: official.py; the EAGLE-3
+authors': official_eagle3.py) without trusting them: config.json as a JSON object of integer
+sizes and finite numbers, weights (safetensors, or a PyTorch pickle read as tensors only) of
+floating point without NaN / Inf. Every refusal is one ValueError naming the file, the defect
+and the fix."""
 
 from __future__ import annotations
 
@@ -96,3 +97,33 @@ def check_float_weights(state: dict[str, torch.Tensor], file: Path) -> None:
             f"{file}: {len(bad)} of {len(state)} tensors hold NaN or Inf: {', '.join(bad[:3])}"
             f"{', ...' if len(bad) > 3 else ''}; a damaged copy: {AGAIN}"
         )
+
+
+def weight_files(src: Path) -> list[Path]:
+    """A release's weights files: its *.safetensors (one file or shards), else its
+    pytorch_model*.bin (the EAGLE-3 authors' uploads); safetensors first, as vLLM reads them."""
+    return sorted(src.glob("*.safetensors")) or sorted(src.glob("pytorch_model*.bin"))
+
+
+def load_weights_file(file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one weights file, safetensors or a PyTorch pickle (read with
+    weights_only=True: tensors only, no code), or a ValueError naming the file."""
+    from safetensors.torch import load_file
+
+    try:
+        if file.suffix == ".safetensors":
+            return load_file(str(file))
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # safetensors' and pickle's own error types for damaged files
+        raise ValueError(
+            f"{file} is truncated or not a {file.suffix} weights file ({type(e).__name__}: {e}): "
+            f"a damaged copy; {AGAIN}"
+        ) from None
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise ValueError(
+            f"{file} holds a {type(state).__name__}, not a flat name -> tensor dict (a training "
+            f"checkpoint with optimizer state?): pass the release's weights as published"
+        )
+    return state

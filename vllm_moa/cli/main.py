@@ -221,24 +221,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "convert-official",
-        help="import the MoA authors' released drafter (either of its layouts)",
+        help="import an authors' released drafter: MoA's (either layout) or EAGLE-3's",
         description="Every size comes from the release and the target; what the release does "
-        "not record must be given (docs/official_checkpoints.md).",
+        "not record must be given (docs/official_checkpoints.md). An EAGLE-3 release "
+        "(SafeAILab/EAGLE's layout) becomes our EAGLE-3 drafter.",
     )
-    p.add_argument("src", help="the release's directory (config.json + *.safetensors)")
+    p.add_argument(
+        "src",
+        help="the release's directory (config.json + *.safetensors; an EAGLE-3 release's "
+        "pytorch_model.bin too)",
+    )
     p.add_argument("dst", help="output drafter directory")
     p.add_argument(
         "--target",
         default=None,
         help="the target model's directory: checked against the release; required for the "
-        "moa_spec layout (the published one), which drops the target's layer count",
+        "MoA moa_spec layout (the published one), which drops the target's layer count, and "
+        "for EAGLE-3 releases, which record neither its layer count nor its KV heads",
     )
     p.add_argument(
         "--tli",
         type=non_negative_int,
         default=None,
-        help="the target layers the release was trained to finish drafts through (required: "
-        "neither release layout records it)",
+        help="MoA only: the target layers the release was trained to finish drafts through "
+        "(required: neither MoA release layout records it)",
     )
     p.set_defaults(func=commands.convert)
 
