@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ def time_v1(batch: int, args: argparse.Namespace) -> dict[str, Any]:
     return _row("v1", batch, times, chosen)
 
 
-def _row(arm: str, batch: int, times: list[float], chosen: list[float]) -> dict[str, Any]:
+def _row(arm: str, batch: int, times: list[float], chosen: Sequence[float]) -> dict[str, Any]:
     us = 1e6 * statistics.median(times)
     return {
         "arm": arm,
