@@ -106,6 +106,9 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
                 out[f"{r['method']}@{r['prompt_tokens']}"] = _num(r["propose_ms_per_token"])
             if "propose_vs_eagle" in r:
                 out[f"moa/eagle@{r['prompt_tokens']}"] = _num(r["propose_vs_eagle"])
+    elif kind == "rule_overhead":
+        for r in rows:
+            out[f"{r['arm']}@b{r['batch']}/us"] = _num(r["us_per_step"])
     elif kind == "draft_profile":
         for r in rows:
             if "c" in r:
@@ -252,6 +255,7 @@ MEASURES = {
     "remote_disconnect": "what a client writes alone after losing its server",
     "draft_cost": "drafting cost inside vLLM per generated token against context length",
     "draft_profile": "a draft phase inside vLLM split into its parts: MoA vs vLLM's EAGLE(-3)",
+    "rule_overhead": "adaptive speculation's host time a step against the batch size (no model)",
     "hsd": "hierarchical speculative decoding: the planner's stack vs single drafters",
     "kernels_aot": "the Triton kernels compiled for sm_90 / sm_80 without a GPU: resources",
     "kernels": "the Triton kernels' correctness and timing on a GPU",
