@@ -12,7 +12,9 @@ checked), at batch 1 / 8 / 32 and context 512 / 4096. The target's cost: one Lla
 `LlamaDecoderLayer` (transformers, random bf16 weights) decoding one token per request over a
 KV cache of the same context, times 32 layers, plus the LM head. c = draft step / target step.
 `page_rows` (the memory and SA rows of verified tokens, through LSA) is timed per verified
-token with the layer-attention kernel and with PyTorch.
+token with the layer-attention kernel and with PyTorch. The LM head is also timed over a draft
+vocabulary of 32000 rows (MoA's `--draft-vocab`, EAGLE-3's size), and c recomputed with it in
+place of the full head (`c_draft_vocab_*`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from vllm_moa.vllm_plugin.paged_attention import PagedKV, TorchPagedKV, TritonPa
 LLAMA3_8B = TargetShape(32, 4096, 8, 128, 128256)  # 32 heads, MLP 14336, rope theta 5e5
 TINY = TargetShape(4, 128, 1, 64, 512)  # the CPU mode's (benchmarks/cost_model.py SMOKE)
 BLOCK_SIZE = 16
+DRAFT_VOCAB = 32000  # the published EAGLE-3 drafters' (`vllm-moa train --draft-vocab 32000`)
 SPARE = 4  # positions past the context each request may still draft into (its budget)
 
 Step = Callable[..., torch.Tensor]
@@ -256,9 +259,16 @@ def time_target(
             return out
 
         last = h[:, 0]
+        # A draft vocabulary (`--draft-vocab N`): the head's rows of N tokens gathered once,
+        # a step's argmax over them mapped to target ids (vllm_plugin/draft_vocab.py's math).
+        n = min(DRAFT_VOCAB, s.shape.vocab_size // 4)
+        rows = bench.head.weight[:n].contiguous()
+        ids = torch.arange(n, device=ctx.device)
         row: dict[str, Any] = {
             "layer_eager_ms": time_ms(decode),
             "head_ms": time_ms(lambda: bench.head(last).argmax(dim=-1)),
+            "draft_vocab": n,
+            "draft_vocab_head_ms": time_ms(lambda: ids[(last @ rows.T).argmax(dim=-1)]),
         }
         if not ctx.cpu:
             captured = guarded(
@@ -307,6 +317,10 @@ def ratios(row: dict[str, Any], layers: int, peak: float | None) -> None:
         row[f"target_step_{mode}_ms"] = target
         row[f"c_{mode}"] = draft / target
         row[f"c_tli1_{mode}"] = (draft + layer) / target  # TLI 1 adds one target layer
+        # the same step drafting over a draft vocabulary: its head in place of the full one
+        row[f"c_draft_vocab_{mode}"] = (
+            draft - row["head_ms"] + row["draft_vocab_head_ms"]
+        ) / target
         if peak:
             row[f"draft_{mode}_fraction_of_peak"] = row["draft_bytes"] / (draft * 1e-3) / peak
             row[f"layer_{mode}_fraction_of_peak"] = row["layer_bytes"] / (layer * 1e-3) / peak
