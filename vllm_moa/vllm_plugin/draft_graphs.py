@@ -8,11 +8,14 @@ requests replays the graph of the smallest captured size >= B: its rows are copi
 buffers and the rows past B hold padding (position 0 and end 0: no SA slot is written; token 0;
 an all-zero block table, vLLM's null block), whose drafts nobody reads.
 
-Captured for TLI = 0 without tensor parallelism. TLI's draft steps build vLLM attention metadata
-on the host per step, and the embedding and LM head all-reduce across ranks under tensor
-parallelism, outside vLLM's graph-capture context: those run eagerly, as before. Capture itself
-is GPU-only (the CPU build has no CUDA); the buffers, padding and replay are tested on the CPU
-with an eager stand-in for the graph (`tests/vllm_integration/test_draft_graphs.py`).
+Captured for TLI = 0, with or without tensor parallelism: the capture runs inside vLLM's own
+`graph_capture` context, on its stream, as vLLM's graphs of the target and of its own
+speculators are captured, so the embedding's and the LM head's collectives across ranks are
+captured the way vLLM captures them (and its custom all-reduce registers the graphs' buffers).
+TLI's draft steps build vLLM attention metadata on the host per step: those run eagerly, as
+before. Capture itself is GPU-only (the CPU build has no CUDA); the buffers, padding and replay
+are tested on the CPU with an eager stand-in for the graph
+(`tests/vllm_integration/test_draft_graphs.py`).
 """
 
 from __future__ import annotations
@@ -35,13 +38,14 @@ Capture = Callable[[Callable[[], torch.Tensor]], tuple[Callable[[], None], torch
 
 
 def cuda_capture(pool: Any) -> Capture:
-    """Capture with a CUDA graph in `pool` (GPU-only branch)."""
+    """Capture with a CUDA graph in `pool`, on the current stream: called inside vLLM's
+    `graph_capture` context, whose stream that is (GPU-only branch)."""
 
     def capture(fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
         fn()  # warm: compiled code, caches and allocator settle before the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream()):
             out = fn()
         return graph.replay, out
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from vllm.distributed.parallel_state import graph_capture
 from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
 
 from vllm_moa.adaptive import adaptive_enabled
@@ -134,14 +135,15 @@ class MoASpeculator(DraftModelSpeculator):
 
     def capture(self) -> None:
         """CUDA graphs of the draft loop (draft_graphs.py), called by the V2 runner's
-        capture_model after the target's: TLI = 0 without tensor parallelism on a GPU; anything
-        else, or a capture that fails, drafts eagerly (logged), never a start-up that crashes."""
+        capture_model after the target's: TLI = 0 on a GPU (any tensor parallelism: inside
+        vLLM's `graph_capture`, as its own graphs); TLI > 0, or a capture that fails, drafts
+        eagerly (logged), never a start-up that crashes."""
         core = self.core
         mode = getattr(getattr(self, "cudagraph_mode", None), "name", "NONE")
         if self.device.type != "cuda" or core is None or mode == "NONE" or not core.ready():
             return
-        if core.drafter.config.tli or self.tp > 1:
-            logger.info("MoA draft loop not captured (TLI > 0 or tensor parallelism): eager")
+        if core.drafter.config.tli:
+            logger.info("MoA draft loop not captured (TLI > 0): eager")
             return
         sizes = draft_graph_sizes(self.vllm_config, self.max_num_reqs)
         widths = {g: int(self.block_tables.input_block_tables[g].shape[1]) for g, _ in core.groups}
@@ -149,7 +151,8 @@ class MoASpeculator(DraftModelSpeculator):
             core, sizes, self.num_speculative_steps, widths, self.model_len, self.device
         )
         try:  # GPU-only branch
-            graphs.capture(cuda_capture(torch.cuda.graph_pool_handle()))
+            with graph_capture(device=self.device):
+                graphs.capture(cuda_capture(torch.cuda.graph_pool_handle()))
         except Exception:
             logger.warning("MoA draft loop capture failed: drafting eagerly", exc_info=True)
             return

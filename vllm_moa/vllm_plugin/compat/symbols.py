@@ -367,6 +367,13 @@ SYMBOLS: tuple[Symbol, ...] = (
     ),
     Symbol("vllm/distributed/parallel_state.py", "get_tp_group", "function", (), "tensor_parallel"),
     Symbol(
+        "vllm/distributed/parallel_state.py",
+        "graph_capture",
+        "function",
+        ("device",),
+        used_by="speculator (capture of the draft loop)",
+    ),
+    Symbol(
         "vllm/forward_context.py",
         "set_forward_context",
         "function",
