@@ -48,6 +48,7 @@ from vllm_moa.vllm_plugin.drafting import (
 )
 from vllm_moa.vllm_plugin.loading import load_core
 from vllm_moa.vllm_plugin.logs import LOGGER_NAME
+from vllm_moa.vllm_plugin.tensor_parallel import on_every_rank
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -153,10 +154,14 @@ class MoASpeculator(DraftModelSpeculator):
         try:  # GPU-only branch
             with graph_capture(device=self.device):
                 graphs.capture(cuda_capture(torch.cuda.graph_pool_handle()))
+            captured = True
         except Exception:
             logger.warning("MoA draft loop capture failed: drafting eagerly", exc_info=True)
-            return
-        self.graphs = graphs
+            captured = False
+        if self.tp > 1 and not on_every_rank(captured):  # every rank replays, or none
+            logger.warning("MoA draft loop capture failed on another rank: drafting eagerly")
+            captured = False
+        self.graphs = graphs if captured else None
 
     # -- one step --------------------------------------------------------------------------------
 

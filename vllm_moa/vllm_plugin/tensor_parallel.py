@@ -47,3 +47,16 @@ def rank0_value(value: int) -> int:
     box = torch.tensor([value], dtype=torch.int64)
     dist.broadcast(box, src=group.ranks[0], group=group.cpu_group)
     return int(box[0])
+
+
+def on_every_rank(ok: bool) -> bool:
+    """True where `ok` holds on every rank of the tensor-parallel group (over its CPU group): a
+    choice every rank must make alike (replay captured graphs or draft eagerly: a rank replaying
+    a graph's collectives against one running them eagerly would read stale peer buffers)."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    group = get_tp_group()
+    box = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=group.cpu_group)
+    return bool(box[0])
