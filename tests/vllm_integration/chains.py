@@ -4,8 +4,9 @@ vLLM's verifier makes greedy output equal plain decoding whatever is drafted, so
 (and `accepted > 0`) proves little about the drafter. What does: every chain MoA drafts in vLLM
 (traced, VLLM_MOA_TRACE: one JSON line per drafted request, from every rank under tensor
 parallelism) equals the standalone proposer's at the same context. That holds only if the
-drafter's drafts depend on what it reads: see conftest.py's `sensitive_drafter` (the test pair's
-trained drafters barely depend on their memory) and test_vllm_drafts_check.py's controls.
+drafter's drafts depend on what it reads: see conftest.py's `sensitive_drafter` and
+`sharp_drafter` (the test pair's trained drafters barely depend on their memory) and
+test_vllm_drafts_check.py's controls.
 
 Also here: `ENGINES`, a script that runs vLLM engines one after another in one interpreter (one
 start-up for several runs), and `worker_setup_env`, which patches every process vLLM starts

@@ -202,6 +202,25 @@ def sensitive_drafter(moa_pair) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sharp_drafter(moa_pair, tmp_path_factory) -> Path:
+    """A random MoA TLI=1 drafter for the test target, sharpened (`sharpen`: attention x8, CA's
+    output x4) and not trained, for the controls that feed the drafter wrong rows (they must
+    change its chains): its drafts depend on every row it reads on any machine. A trained
+    drafter's dependence is a property of its brief training and moved with the machine's
+    rounding: on one machine `sensitive_drafter` changed 10 of 74 chains when each token's
+    memory was read one token off, on another (same code and packages) 1 of 88. This one lands
+    almost no drafts (its chains are compared all the same)."""
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
+    from vllm_moa.hf_target import load_target_info
+
+    drafter = MoADrafter(make_config(load_target_info(moa_pair["target"]), preset="small", tli=1))
+    drafter.init_weights(seed=1)
+    return save_drafter(sharpen(drafter, 8.0, 4.0), tmp_path_factory.mktemp("sharp") / "drafter")
+
+
+@pytest.fixture(scope="session")
 def sharded_pair(moa_pair, tmp_path_factory) -> dict[str, Path]:
     """A random target whose 2 KV heads tensor parallelism shards (one per rank), with a random
     MoA TLI=1 drafter sharpened (`sharpen`) so that its drafts depend on every input: the

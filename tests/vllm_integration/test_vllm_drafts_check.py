@@ -1,7 +1,8 @@
 """Controls of the drafts check (chains.py) on vLLM's V1 runner: the proposer made to feed LSA
 the wrong target K/V rows must fail it, while greedy outputs stay plain decoding's (the verifier
 keeps them so whatever is drafted: output equality cannot see these bugs). One in-process engine
-with the sensitive drafter, one pass of 4 prompts per setting:
+with a sharpened random drafter (`sharp_drafter`: its chains depend on every row it reads), one
+pass of 4 prompts per setting:
 
 - right: every chain is the standalone proposer's (the check passes);
 - one token off: each token's memory from the target's K/V at the position before it;
@@ -91,10 +92,10 @@ CONTROLS = {
 
 
 def test_wrong_rows_fail_the_drafts_check_and_only_it(
-    moa_pair, sensitive_drafter, tmp_path, monkeypatch
+    moa_pair, sharp_drafter, tmp_path, monkeypatch
 ):
     target = moa_pair["target"]
-    llm = make_llm(target, sensitive_drafter, k=K, enable_prefix_caching=False)
+    llm = make_llm(target, sharp_drafter, k=K, enable_prefix_caching=False)
     prompts = [{"prompt_token_ids": llm.get_tokenizer().encode(p)} for p in PROMPTS[:4]]
     plain = plain_greedy(target, [p["prompt_token_ids"] for p in prompts], MAX_TOKENS)
 
@@ -108,9 +109,9 @@ def test_wrong_rows_fail_the_drafts_check_and_only_it(
         assert [list(o.outputs[0].token_ids) for o in outs] == plain, name
         return trace
 
-    assert_chains_are_the_standalone_proposers(target, sensitive_drafter, run("right", None), K,
+    assert_chains_are_the_standalone_proposers(target, sharp_drafter, run("right", None), K,
                                                4 * 15)  # fmt: skip
     for name, patch in CONTROLS.items():
-        wrong, lines = differing_chains(target, sensitive_drafter, run(name, patch), K)
+        wrong, lines = differing_chains(target, sharp_drafter, run(name, patch), K)
         print(f"{name}: {len(wrong)} of {lines} chains differ from the standalone proposer")
         assert len(wrong) >= 5, f"control {name!r}: the check should fail ({len(wrong)} differ)"

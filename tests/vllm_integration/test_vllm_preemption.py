@@ -59,10 +59,13 @@ def spy_resumes(monkeypatch) -> list[tuple[str, int]]:
     return seen
 
 
-def preempted_run(moa_pair, trace: Path, monkeypatch) -> tuple[list[list[int]], object]:
-    """MoA TLI=1 over LONG_PROMPTS in the SMALL cache, traced: (outputs, LLM)."""
+def preempted_run(
+    moa_pair, trace: Path, monkeypatch, drafter: Path | None = None
+) -> tuple[list[list[int]], object]:
+    """MoA TLI=1 (the pair's, or `drafter`) over LONG_PROMPTS in the SMALL cache, traced:
+    (outputs, LLM)."""
     monkeypatch.setenv("VLLM_MOA_TRACE", str(trace))
-    llm = make_llm(moa_pair["target"], moa_pair["tli1"], k=4, **SMALL)
+    llm = make_llm(moa_pair["target"], drafter or moa_pair["tli1"], k=4, **SMALL)
     got = [list(o.outputs[0].token_ids) for o in llm.generate(LONG_PROMPTS, greedy(48))]
     return got, llm
 
@@ -86,10 +89,13 @@ def test_chunked_prefill_and_preemption_stay_lossless(moa_pair, tmp_path, monkey
     )
 
 
-def test_control_pages_not_rewritten_after_preemption_are_caught(moa_pair, tmp_path, monkeypatch):
+def test_control_pages_not_rewritten_after_preemption_are_caught(
+    moa_pair, sharp_drafter, tmp_path, monkeypatch
+):
     """Control: a proposer that does not notice a resumed request's new blocks (its page rows
     are not rewritten there) drafts from stale rows; the output is still plain decoding's (the
-    verifier sees to that), and the chain check above fails."""
+    verifier sees to that), and the chain check above fails (with a drafter whose chains depend
+    on every row it reads: `sharp_drafter`)."""
     from vllm_moa.vllm_plugin.proposer import MoAVllmProposer
 
     real = MoAVllmProposer._propose_in_runner
@@ -101,10 +107,10 @@ def test_control_pages_not_rewritten_after_preemption_are_caught(moa_pair, tmp_p
         return real(self, runner, *args)
 
     monkeypatch.setattr(MoAVllmProposer, "_propose_in_runner", forgetful)
-    preempted_run(moa_pair, tmp_path / "trace.jsonl", monkeypatch)
+    preempted_run(moa_pair, tmp_path / "trace.jsonl", monkeypatch, sharp_drafter)
     with pytest.raises(AssertionError, match="differ from the standalone proposer"):
         assert_chains_are_the_standalone_proposers(
-            moa_pair["target"], moa_pair["tli1"], tmp_path / "trace.jsonl", 4, 6 * 8
+            moa_pair["target"], sharp_drafter, tmp_path / "trace.jsonl", 4, 6 * 8
         )
 
 

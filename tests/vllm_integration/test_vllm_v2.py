@@ -89,12 +89,13 @@ def test_v2_preemption_chunked_prefill_and_prefix_caching(moa_pair, tmp_path):
         )
 
 
-def test_v2_control_wrong_rows_are_caught(moa_pair, tmp_path, monkeypatch):
+def test_v2_control_wrong_rows_are_caught(moa_pair, sharp_drafter, tmp_path, monkeypatch):
     """Control: the V2 check above fails when the drafter reads the wrong rows (each step's page
-    rows written one position late), so it is not vacuous."""
+    rows written one position late), so it is not vacuous (with a drafter whose chains depend on
+    every row it reads: `sharp_drafter`)."""
     prompts = encode(moa_pair["target"], PROMPTS[:4])
     trace = tmp_path / "trace.jsonl"
-    runs = [{"spec": moa(moa_pair["tli1"]), "trace": str(trace)}]
+    runs = [{"spec": moa(sharp_drafter), "trace": str(trace)}]
     env = v2_on_cpu.env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1")
     job = {"target": str(moa_pair["target"]), "prompts": prompts, "runs": runs}
     broken = (
@@ -109,7 +110,7 @@ def test_v2_control_wrong_rows_are_caught(moa_pair, tmp_path, monkeypatch):
     run_script(broken + ENGINES, json.dumps(job), env=env)
     with pytest.raises(AssertionError, match="differ from the standalone proposer"):
         assert_chains_are_the_standalone_proposers(
-            moa_pair["target"], moa_pair["tli1"], trace, 4, 4 * 4
+            moa_pair["target"], sharp_drafter, trace, 4, 4 * 4
         )
 
 
