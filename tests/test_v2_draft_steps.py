@@ -11,26 +11,11 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.rule_overhead import FakeClock
 from vllm_moa.adaptive import AcceptanceTracker, StepCosts, best_draft_steps
 from vllm_moa.vllm_plugin.draft_steps import DraftSteps
 
 K = 4
-
-
-class FakeClock:
-    """Marks are the simulated time; everything is done at once (as on the CPU)."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def mark(self) -> float:
-        return self.now
-
-    def done(self, mark: float) -> bool:
-        return True
-
-    def seconds(self, start: float, end: float) -> float:
-        return end - start
 
 
 def simulate(accept: float, steps: int = 300, batch: int = 2, seed: int = 0) -> list[int]:

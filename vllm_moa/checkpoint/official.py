@@ -32,6 +32,7 @@ import torch
 
 from vllm_moa.checkpoint.io import load_checked, load_state_dict, save_drafter
 from vllm_moa.checkpoint.release_files import (
+    check_against_target,
     check_float_weights,
     finite,
     positive,
@@ -175,12 +176,7 @@ def _check_against_target(release: ReleaseConfig, target: TargetInfo) -> None:
     ]
     if release.num_layers is not None:
         checks.append(("num_hidden_layers", release.num_layers, shape.num_layers))
-    for what, theirs, ours in checks:
-        if theirs != ours:
-            raise ValueError(
-                f"{release.path} has {what} {theirs} but the target has {ours}: pass --target "
-                "with the model the release was trained for"
-            )
+    check_against_target(release.path, checks)
 
 
 def target_of(release: ReleaseConfig, given: TargetInfo | None) -> TargetShape:

@@ -32,6 +32,7 @@ import torch
 from vllm_moa.checkpoint.io import check_tensors, save_drafter
 from vllm_moa.checkpoint.release_files import (
     AGAIN,
+    check_against_target,
     check_float_weights,
     finite,
     load_weights_file,
@@ -208,12 +209,7 @@ def _check_against_target(release: Eagle3Release, target: TargetShape) -> None:
         checks.append(("vocab_size", release.vocab_size, target.vocab_size))
     if release.rope_scaling is not None:
         checks.append(("RoPE scaling", release.rope_scaling, target.rope_scaling))
-    for what, theirs, ours in checks:
-        if theirs != ours:
-            raise ValueError(
-                f"{release.path} has {what} {theirs} but the target has {ours}: pass --target "
-                "with the model the release was trained for"
-            )
+    check_against_target(release.path, checks)
 
 
 def eagle3_config(release: Eagle3Release, target: TargetInfo) -> Eagle3Config:

@@ -79,6 +79,16 @@ def rope_scaling_in(
     return scaling
 
 
+def check_against_target(path: Path, checks: list[tuple[str, Any, Any]]) -> None:
+    """Each (what, the release's, the target's) must agree, else one line naming the fix."""
+    for what, theirs, ours in checks:
+        if theirs != ours:
+            raise ValueError(
+                f"{path} has {what} {theirs} but the target has {ours}: pass --target "
+                "with the model the release was trained for"
+            )
+
+
 def check_float_weights(state: dict[str, torch.Tensor], file: Path) -> None:
     """Refuse tensors a converted drafter could not use as written: not floating point (never
     cast) or holding NaN / Inf (the converted drafter would not load), naming the first three."""
