@@ -175,6 +175,18 @@ def sharpen(drafter, attention: float, memory: float):
     return drafter
 
 
+def save_sharp_random_drafter(target: Path, out: Path) -> Path:
+    """A random small MoA TLI=1 drafter for `target` (seed 1), sharpened x8 / x4, saved to `out`."""
+    from vllm_moa.checkpoint import save_drafter
+    from vllm_moa.drafters.moa.model import MoADrafter
+    from vllm_moa.drafters.presets import make_config
+    from vllm_moa.hf_target import load_target_info
+
+    drafter = MoADrafter(make_config(load_target_info(target), preset="small", tli=1))
+    drafter.init_weights(seed=1)
+    return save_drafter(sharpen(drafter, 8.0, 4.0), out)
+
+
 @pytest.fixture(scope="session")
 def sensitive_drafter(moa_pair) -> Path:
     """A MoA TLI=1 drafter for the test target whose drafts depend on every input of its memory
@@ -184,18 +196,11 @@ def sensitive_drafter(moa_pair) -> Path:
     none when its layers are reversed), this one's change at about 15% (one token off), 20%
     (layers reversed) and 40% (rows of other tokens) of them. It still lands drafts (alpha ~0.3
     at K=4: the pair's TLI=0 ~0.05, TLI=1 ~0.6). Cached beside the pair."""
-    from vllm_moa.checkpoint import save_drafter
-    from vllm_moa.drafters.moa.model import MoADrafter
-    from vllm_moa.drafters.presets import make_config
-    from vllm_moa.hf_target import load_target_info
     from vllm_moa.tiny import stdlib_sources
 
     run = moa_pair["target"].parent / "sensitive"
     if not (run / ".complete").exists():
-        info = load_target_info(moa_pair["target"])
-        drafter = MoADrafter(make_config(info, preset="small", tli=1))
-        drafter.init_weights(seed=1)
-        init = save_drafter(sharpen(drafter, 8.0, 4.0), run / "init")
+        init = save_sharp_random_drafter(moa_pair["target"], run / "init")
         train_briefly(moa_pair["target"], run, stdlib_sources(400_000), drafter=str(init))
         (run / ".complete").write_text(time.strftime("%Y-%m-%dT%H:%M:%S\n"))
     return run / "drafter"
@@ -209,15 +214,11 @@ def sharp_drafter(moa_pair, tmp_path_factory) -> Path:
     drafter's dependence is a property of its brief training and moved with the machine's
     rounding: on one machine `sensitive_drafter` changed 10 of 74 chains when each token's
     memory was read one token off, on another (same code and packages) 1 of 88. This one lands
-    almost no drafts (its chains are compared all the same)."""
-    from vllm_moa.checkpoint import save_drafter
-    from vllm_moa.drafters.moa.model import MoADrafter
-    from vllm_moa.drafters.presets import make_config
-    from vllm_moa.hf_target import load_target_info
-
-    drafter = MoADrafter(make_config(load_target_info(moa_pair["target"]), preset="small", tli=1))
-    drafter.init_weights(seed=1)
-    return save_drafter(sharpen(drafter, 8.0, 4.0), tmp_path_factory.mktemp("sharp") / "drafter")
+    almost no drafts (its chains are compared all the same): `sensitive_drafter` before its
+    training."""
+    return save_sharp_random_drafter(
+        moa_pair["target"], tmp_path_factory.mktemp("sharp") / "drafter"
+    )
 
 
 @pytest.fixture(scope="session")
