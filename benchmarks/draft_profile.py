@@ -24,6 +24,9 @@ synchronous, so host timers around the functions a phase calls measure them:
 argmax). Per arm: medians over decode steps (a request's first step, its prefill, is left out)
 in ms, the target step (engine step minus the draft phase) and plain's step, and
 c = (draft phase - page rows) / K / plain step: one draft step's cost in plain target steps.
+Per request, prefill included: the prefill step's median (and MoA's page rows in it: the
+prompt's rows), decode steps per request and the mean wall of a request, which is what
+tokens/s sees.
 Writes JSON + PNG.
 """
 
@@ -133,7 +136,8 @@ def run_prompt(engine: Any, prompt: str, params: Any, tag: str) -> list[dict[str
         engine.step()
         wall = time.perf_counter() - began
         steps.append({**take(), "step": wall})
-    return steps[1:]  # the first step is the prompt's prefill
+    steps[0]["prefill"] = 1.0  # the first step is the prompt's prefill
+    return steps
 
 
 PARTS = {  # reported parts of a draft phase, per arm kind, in plot order
@@ -168,13 +172,22 @@ def summarise(arm: str, steps: list[dict[str, float]], k: int) -> dict[str, Any]
             return s.get("phase", 0) - sum(part(s, p) for p in timed_parts)
         return s.get(name, 0)
 
+    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
+    prefills = [s for s in steps if s.get("prefill")]
+    whole = {  # per request: its steps and its wall, prefill included
+        "prefill_step_ms": ms([s["step"] for s in prefills]),
+        "steps_per_request": (len(steps) - len(prefills)) / len(prefills),
+        "request_ms": 1e3 * sum(s["step"] for s in steps) / len(prefills),
+    }
+    if arm != "plain":
+        whole["prefill_rows_ms"] = ms([s.get("rows", 0) for s in prefills])
+    steps = [s for s in steps if not s.get("prefill")]
     if arm != "plain":
         steps = [s for s in steps if s.get("phase", 0) > 0]
-    ms = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     row: dict[str, Any] = {"arm": arm, "steps": len(steps)}
     row["engine_step_ms"] = ms([s["step"] for s in steps])
     if arm == "plain":
-        return row
+        return {**row, **whole}
     row["target_step_ms"] = ms([s["step"] - s["phase"] for s in steps])
     row["draft_phase_ms"] = ms([s["phase"] for s in steps])
     row["parts_ms"] = {name: ms([part(s, name) for s in steps]) for name in PARTS[kind_of(arm)]}
@@ -185,7 +198,7 @@ def summarise(arm: str, steps: list[dict[str, float]], k: int) -> dict[str, Any]
         row["draft_step_ms"] = row["draft_phase_ms"] / k
     if kind_of(arm) == "moa_eager":
         row["attention_ms"] = ms([s.get("attend", 0) + s.get("write", 0) for s in steps])
-    return row
+    return {**row, **whole}
 
 
 def kind_of(arm: str) -> str:

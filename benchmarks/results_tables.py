@@ -277,11 +277,19 @@ def _draft_profile(data: dict[str, Any]) -> Iterator[list[Any]]:
     """A draft phase's parts per arm (ms, medians over decode steps) and c."""
     rows = [r for r in data["results"] if r["arm"] != "plain"]
     parts = list(dict.fromkeys(p for r in rows for p in r["parts_ms"]))
-    yield ["arm", "target step (verify)", "draft phase", *parts, "draft step", "c"]
+    whole = all("request_ms" in r for r in rows)  # per-request figures: newer runs only
+    extra = ["prefill step (its rows)", "decode steps / request", "request"] if whole else []
+    yield ["arm", "target step (verify)", "draft phase", *parts, "draft step", "c", *extra]
     for r in rows:
         cells = [f"{r['parts_ms'][p]:.2f}" if p in r["parts_ms"] else "" for p in parts]
+        if whole:
+            rows_in = f" ({r['prefill_rows_ms']:.1f})" if r["prefill_rows_ms"] else ""
+            cells_whole = [f"{r['prefill_step_ms']:.1f}{rows_in}",
+                           f"{r['steps_per_request']:.1f}", f"{r['request_ms']:.0f}"]  # fmt: skip
+        else:
+            cells_whole = []
         yield [r["arm"], f"{r['target_step_ms']:.1f}", f"{r['draft_phase_ms']:.1f}", *cells,
-               f"{r['draft_step_ms']:.2f}", f"{r['c']:.3f}"]  # fmt: skip
+               f"{r['draft_step_ms']:.2f}", f"{r['c']:.3f}", *cells_whole]  # fmt: skip
 
 
 def _compact(data: dict[str, Any]) -> Iterator[list[Any]]:
