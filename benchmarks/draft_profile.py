@@ -181,9 +181,8 @@ def summarise(arm: str, steps: list[dict[str, float]], k: int) -> dict[str, Any]
     }
     if arm != "plain":
         whole["prefill_rows_ms"] = ms([s.get("rows", 0) for s in prefills])
-    steps = [s for s in steps if not s.get("prefill")]
-    if arm != "plain":
-        steps = [s for s in steps if s.get("phase", 0) > 0]
+    # decode steps; a speculative arm's only where it drafted
+    steps = [s for s in steps if not s.get("prefill") and (arm == "plain" or s.get("phase", 0) > 0)]
     row: dict[str, Any] = {"arm": arm, "steps": len(steps)}
     row["engine_step_ms"] = ms([s["step"] for s in steps])
     if arm == "plain":

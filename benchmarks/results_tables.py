@@ -282,12 +282,9 @@ def _draft_profile(data: dict[str, Any]) -> Iterator[list[Any]]:
     yield ["arm", "target step (verify)", "draft phase", *parts, "draft step", "c", *extra]
     for r in rows:
         cells = [f"{r['parts_ms'][p]:.2f}" if p in r["parts_ms"] else "" for p in parts]
-        if whole:
-            rows_in = f" ({r['prefill_rows_ms']:.1f})" if r["prefill_rows_ms"] else ""
-            cells_whole = [f"{r['prefill_step_ms']:.1f}{rows_in}",
-                           f"{r['steps_per_request']:.1f}", f"{r['request_ms']:.0f}"]  # fmt: skip
-        else:
-            cells_whole = []
+        rows_in = f" ({r['prefill_rows_ms']:.1f})" if r.get("prefill_rows_ms") else ""
+        cells_whole = [f"{r['prefill_step_ms']:.1f}{rows_in}", f"{r['steps_per_request']:.1f}",
+                       f"{r['request_ms']:.0f}"] if whole else []  # fmt: skip
         yield [r["arm"], f"{r['target_step_ms']:.1f}", f"{r['draft_phase_ms']:.1f}", *cells,
                f"{r['draft_step_ms']:.2f}", f"{r['c']:.3f}", *cells_whole]  # fmt: skip
 
