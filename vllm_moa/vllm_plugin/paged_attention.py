@@ -35,6 +35,16 @@ import torch.nn.functional as F
 PADDING_SLOT = -1  # a slot that `write` must not write (vLLM's PADDING_SLOT_ID)
 
 
+def draft_slots(
+    positions: torch.Tensor, ends: torch.Tensor, table: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """Slots [B] of each request's drafted position (block table [B, n]); positions at or past
+    the request's end (its budget) have no reserved slot: PADDING_SLOT, never written."""
+    index = (positions // block_size)[:, None].clamp(max=table.shape[1] - 1)
+    slot = table.gather(1, index)[:, 0].long() * block_size + positions % block_size
+    return torch.where(positions < ends, slot, PADDING_SLOT)
+
+
 class PagedKV(Protocol):
     num_kv_heads: int
     head_dim: int

@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from vllm_moa.vllm_plugin.drafting import (
 )
 from vllm_moa.vllm_plugin.loading import load_core
 from vllm_moa.vllm_plugin.logs import LOGGER_NAME
+from vllm_moa.vllm_plugin.tail_attention import static_unsupported
 from vllm_moa.vllm_plugin.tensor_parallel import on_every_rank
 
 logger = logging.getLogger(LOGGER_NAME)
@@ -136,24 +138,49 @@ class MoASpeculator(DraftModelSpeculator):
 
     def capture(self) -> None:
         """CUDA graphs of the draft loop (draft_graphs.py), called by the V2 runner's
-        capture_model after the target's: TLI = 0 on a GPU (any tensor parallelism: inside
-        vLLM's `graph_capture`, as its own graphs); TLI > 0, or a capture that fails, drafts
-        eagerly (logged), never a start-up that crashes."""
+        capture_model after the target's, inside vLLM's `graph_capture` (as its own graphs, any
+        tensor parallelism). A capture that fails drafts eagerly (logged), never a start-up that
+        crashes."""
+        mode = getattr(self, "cudagraph_mode", None)
+        if self.device.type != "cuda" or mode is None or mode.name == "NONE":
+            return
         core = self.core
-        mode = getattr(getattr(self, "cudagraph_mode", None), "name", "NONE")
-        if self.device.type != "cuda" or core is None or mode == "NONE" or not core.ready():
+        if core is not None and core.drafter.config.tli and mode.decode_mode().name != "FULL":
+            # The tail's attention runs inside the graph: only where vLLM captures its
+            # attention backend's decode whole (not PIECEWISE, which keeps attention eager).
+            logger.info("MoA draft loop not captured (TLI > 0 under %s CUDA graphs)", mode.name)
             return
+
+        def on_gpu(graphs: DraftGraphs) -> None:  # GPU-only branch
+            with graph_capture(device=self.device):
+                graphs.capture(cuda_capture(torch.cuda.graph_pool_handle()))
+
+        self.capture_with(on_gpu)
+
+    def capture_with(self, capture: Callable[[DraftGraphs], None]) -> None:
+        """Build the draft loop's graphs and `capture` them (on a GPU: `capture`; tests: an eager
+        stand-in); keep them where every rank captured them. TLI > 0 needs every tail layer's
+        attention builder to refresh its metadata in place, else the loop stays eager."""
+        core = self.core
+        if core is None or not core.ready():
+            return
+        tail = None
         if core.drafter.config.tli:
-            logger.info("MoA draft loop not captured (TLI > 0): eager")
-            return
+            tail = core.tail_layers
+            unsupported = static_unsupported(tail)
+            if unsupported:
+                logger.info(
+                    "MoA draft loop not captured (TLI > 0: %s cannot refresh draft metadata "
+                    "in place): eager", ", ".join(unsupported),
+                )  # fmt: skip
+                return
         sizes = draft_graph_sizes(self.vllm_config, self.max_num_reqs)
         widths = {g: int(self.block_tables.input_block_tables[g].shape[1]) for g, _ in core.groups}
         graphs = DraftGraphs(
-            core, sizes, self.num_speculative_steps, widths, self.model_len, self.device
+            core, sizes, self.num_speculative_steps, widths, self.model_len, self.device, tail
         )
-        try:  # GPU-only branch
-            with graph_capture(device=self.device):
-                graphs.capture(cuda_capture(torch.cuda.graph_pool_handle()))
+        try:
+            capture(graphs)
             captured = True
         except Exception:
             logger.warning("MoA draft loop capture failed: drafting eagerly", exc_info=True)
