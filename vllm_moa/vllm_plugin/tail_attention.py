@@ -15,12 +15,13 @@ Two ways to make it, the same builders and the same values:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from vllm_moa.vllm_plugin.paged_attention import draft_slots
+from vllm_moa.vllm_plugin.paged_attention import PADDING_SLOT, draft_slots
 from vllm_moa.vllm_plugin.uploads import upload
 
 
@@ -32,14 +33,16 @@ class TailLayers:
     groups: dict[int, tuple[int, list[str]]]
     attn_groups: list[list[Any]]
 
-    def builders(self) -> list[tuple[Any, list[str]]]:
-        """(builder, its TLI layers) for each attention group that holds TLI layers."""
+    @functools.cached_property
+    def builders(self) -> list[tuple[Any, int, list[str]]]:
+        """(builder, its KV-cache group, its TLI layers) for each attention group that holds TLI
+        layers (worked out once: eager drafting asks every step)."""
         out = []
         for g, (_, names) in sorted(self.groups.items()):
             for attn_group in self.attn_groups[g]:
                 members = [n for n in names if n in attn_group.layer_names]
                 if members:
-                    out.append((attn_group.get_metadata_builder(), members))
+                    out.append((attn_group.get_metadata_builder(), g, members))
         return out
 
 
@@ -51,46 +54,55 @@ class TailStep:
     slot_mapping: dict[str, torch.Tensor]  # [B] int64: where the layer writes the rows' K/V
 
 
-def _common(
-    starts: torch.Tensor,  # [B + 1] int32 on the device
-    starts_cpu: torch.Tensor,  # [B + 1] int32 on the host
-    seq_lens: torch.Tensor,  # [B] int32
-    positions: torch.Tensor,  # [B] int64
-    table: torch.Tensor,  # [B, n] int32
-    slots: torch.Tensor,  # [B] int64
-    max_seq_len: int,
-) -> Any:
+def _build(
+    layers: TailLayers,
+    positions: torch.Tensor,  # [B] int64: the drafted position of each row
+    seq_lens: torch.Tensor,  # [B] int32: positions + 1
+    tables: dict[int, torch.Tensor],  # per KV-cache group: [B, n] int32
+    slots: dict[int, torch.Tensor],  # per KV-cache group: [B] int64
+    max_seq_len: int,  # a host bound on positions + 1
+) -> tuple[TailStep, list[tuple[Any, Any]]]:
+    """Every attention group's metadata, one query per row over the row's cache up to and
+    including `positions`, and the (builder, metadata) pairs built."""
     from vllm.v1.attention.backend import CommonAttentionMetadata
 
     rows = positions.shape[0]
-    return CommonAttentionMetadata(
-        query_start_loc=starts,
-        query_start_loc_cpu=starts_cpu,
-        seq_lens=seq_lens,
-        num_reqs=rows,
-        num_actual_tokens=rows,
-        max_query_len=1,
-        max_seq_len=max_seq_len,
-        block_table_tensor=table,
-        slot_mapping=slots,
-        positions=positions,
-    )
-
-
-def _build(layers: TailLayers, commons: dict[int, Any]) -> tuple[TailStep, list[Any]]:
-    """Each attention group's metadata from its KV-cache group's common metadata, and the
-    (builder, metadata) pairs built."""
+    starts = torch.arange(rows + 1, dtype=torch.int32)
+    device_starts = upload(starts, positions.device)  # pinned: no host stall
+    commons = {
+        g: CommonAttentionMetadata(
+            query_start_loc=device_starts,
+            query_start_loc_cpu=starts,
+            seq_lens=seq_lens,
+            num_reqs=rows,
+            num_actual_tokens=rows,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+            block_table_tensor=tables[g],
+            slot_mapping=slots[g],
+            positions=positions,
+        )
+        for g in layers.groups
+    }
     metadata: dict[str, Any] = {}
     slot_mapping: dict[str, torch.Tensor] = {}
     built = []
-    where = {name: g for g, (_, names) in layers.groups.items() for name in names}
-    for builder, members in layers.builders():
-        common = commons[where[members[0]]]
-        made = builder.build(0, common)
+    for builder, g, members in layers.builders:
+        made = builder.build(0, commons[g])
         built.append((builder, made))
         metadata.update(dict.fromkeys(members, made))
-        slot_mapping.update(dict.fromkeys(members, common.slot_mapping))
+        slot_mapping.update(dict.fromkeys(members, slots[g]))
     return TailStep(metadata, slot_mapping), built
+
+
+def _slots(
+    layers: TailLayers, positions: torch.Tensor, ends: torch.Tensor, tables: dict[int, torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """Each KV-cache group's slots [B] of the drafted positions (PADDING_SLOT past a row's end)."""
+    return {
+        g: draft_slots(positions, ends, tables[g], block_size)
+        for g, (block_size, _) in layers.groups.items()
+    }
 
 
 def tail_step(
@@ -100,17 +112,10 @@ def tail_step(
     tables: dict[int, torch.Tensor],  # per KV-cache group: [B, n] int32
     max_seq_len: int,  # a host bound on positions + 1
 ) -> TailStep:
-    """The step's metadata, built on the host now: one query per row at `positions`, over the
-    row's cache up to and including it."""
-    rows = positions.shape[0]
-    starts = torch.arange(rows + 1, dtype=torch.int32)
-    device_starts = upload(starts, positions.device)  # pinned: no host stall
-    lens = (positions + 1).to(torch.int32)
-    commons = {}
-    for g, (block_size, _) in layers.groups.items():
-        slots = draft_slots(positions, ends, tables[g], block_size)
-        commons[g] = _common(device_starts, starts, lens, positions, tables[g], slots, max_seq_len)
-    return _build(layers, commons)[0]
+    """The step's metadata, built on the host now."""
+    seq_lens = (positions + 1).to(torch.int32)
+    slots = _slots(layers, positions, ends, tables)
+    return _build(layers, positions, seq_lens, tables, slots, max_seq_len)[0]
 
 
 def static_unsupported(layers: TailLayers) -> list[str]:
@@ -119,7 +124,7 @@ def static_unsupported(layers: TailLayers) -> list[str]:
     return sorted(
         {
             type(builder).__name__
-            for builder, _ in layers.builders()
+            for builder, _, _ in layers.builders
             if not getattr(builder, "supports_draft_decode_metadata_update", False)
         }
     )
@@ -134,31 +139,26 @@ class StaticTail:
     def __init__(
         self, layers: TailLayers, tables: dict[int, torch.Tensor], max_seq_len: int
     ) -> None:
-        device = next(iter(tables.values())).device
-        rows = next(iter(tables.values())).shape[0]
+        some = next(iter(tables.values()))  # [rows, n]
+        rows, device = some.shape[0], some.device
         self.layers, self.tables = layers, tables
-        starts = torch.arange(rows + 1, dtype=torch.int32)
         self.seq_lens = torch.ones(rows, dtype=torch.int32, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.slots = {
-            g: torch.full((rows,), -1, dtype=torch.long, device=device) for g in layers.groups
+            g: torch.full((rows,), PADDING_SLOT, dtype=torch.long, device=device)
+            for g in layers.groups
         }
-        device_starts = starts.to(device)
-        commons = {}
-        for g in layers.groups:
-            commons[g] = _common(
-                device_starts, starts, self.seq_lens, self.positions, tables[g], self.slots[g],
-                max_seq_len,
-            )  # fmt: skip
-        self.step, self._built = _build(layers, commons)
+        self.step, self._built = _build(
+            layers, self.positions, self.seq_lens, tables, self.slots, max_seq_len
+        )
 
     def refresh(self, positions: torch.Tensor, ends: torch.Tensor) -> TailStep:
         """This step's values into the buffers (device ops only) and the builders' derived
         metadata updated from them; the metadata objects stay the same."""
         self.positions.copy_(positions)
         self.seq_lens.copy_(positions + 1)
-        for g, (block_size, _) in self.layers.groups.items():
-            self.slots[g].copy_(draft_slots(positions, ends, self.tables[g], block_size))
+        for g, slots in _slots(self.layers, positions, ends, self.tables).items():
+            self.slots[g].copy_(slots)
         for builder, metadata in self._built:
             builder.update_draft_decode_metadata(metadata)
         return self.step
