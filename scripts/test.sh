@@ -9,4 +9,5 @@ bash scripts/setup.sh
 # pytest exits 5 when it collects nothing: that fails here too, as it should. `-m ""` lifts the
 # default `-m 'not slow'` of pyproject.toml (a plain `pytest` is the fast local loop).
 # Every optional test dependency is installed here: a missing one fails (tests/deps.py).
-VLLM_MOA_TEST_REQUIRE_ALL=1 .venv/bin/python -m pytest -m "" "$@"
+# scripts/run_pytest.sh names the test that was running if pytest itself dies.
+VLLM_MOA_TEST_REQUIRE_ALL=1 bash scripts/run_pytest.sh -m "" "$@"

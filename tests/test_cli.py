@@ -1,6 +1,7 @@
 """The `vllm-moa` CLI contract: init-drafter, generate, convert-official, and one-line errors."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -273,3 +274,23 @@ def test_generate_with_a_tree(capsys, tiny_target_dir, drafter_dir):
     assert len(tree["accepted_length_histogram"]) == 4  # depth 3 -> 0..3 accepted
     assert main([*base, "--tree-depth", "3"]) == 1
     assert "need --drafter" in capsys.readouterr().err
+
+
+def test_bf16_generate_runs_with_the_cpu_isa_capped_to_avx2(tiny_target_dir, drafter_dir):
+    """`generate --dtype bfloat16` on a CPU without oneDNN's bf16 path (AVX-512 or
+    AVX-NE-CONVERT): the ISA capped as on AMD Zen 2/3 (the real thing on such a CPU). The
+    fallback is logged and both runs decode. (Equality in bf16, where a verify pass and a
+    one-token step may round near ties apart, is test_bf16_decoding.py's.)"""
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX2", ATEN_CPU_CAPABILITY="avx2")
+    cli = [sys.executable, "-m", "vllm_moa.cli.main", "generate", "--target", tiny_target_dir]
+    base = [*cli, "--prompt", "import os\n", "--max-new-tokens", "12", "--json", "--dtype",
+            "bfloat16"]  # fmt: skip
+    runs = []
+    for extra in ([], ["--drafter", drafter_dir, "--num-speculative-tokens", "3"]):
+        done = subprocess.run([*base, *extra], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "oneDNN has no bf16 path" in done.stderr
+        runs.append(json.loads(done.stdout))
+    plain, spec = runs
+    assert len(plain["token_ids"]) == len(spec["token_ids"]) == 12
+    assert spec["token_ids"][0] == plain["token_ids"][0]  # the same prefill

@@ -68,3 +68,23 @@ def test_the_shells_value_reaches_no_test(shell, tmp_path):
         cwd=ROOT, env={**env, "PYTHONPATH": path}, capture_output=True, text=True,
     )  # fmt: skip
     assert leaked.returncode != 0 and " failed" in leaked.stdout, leaked.stdout[-3000:]
+
+
+@pytest.mark.parametrize("dies", [True, False])
+def test_a_pytest_that_dies_names_the_test_it_was_running(dies, tmp_path):
+    """scripts/run_pytest.sh (what scripts/test.sh and CI run): a test that kills the process
+    (as an illegal instruction in a native module does) is named, with pytest's exit code kept;
+    the control, a passing run, prints no such line."""
+    body = "import os\n\n\ndef test_fine():\n    pass\n\n\ndef test_dies():\n    os.abort()\n"
+    (tmp_path / "test_dying.py").write_text(body if dies else body.split("\n\n\ndef test_dies")[0])
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "run_pytest.sh"), "-q", "-p", "no:cacheprovider",
+         str(tmp_path / "test_dying.py")],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHON=sys.executable),
+    )  # fmt: skip
+    named = "died of signal 6 with no summary, while running: "
+    if dies:
+        assert done.returncode == 134, done.stderr[-2000:]
+        assert named + "test_dying.py::test_dies" in done.stderr
+    else:
+        assert done.returncode == 0 and "died of signal" not in done.stderr

