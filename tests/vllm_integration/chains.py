@@ -147,6 +147,14 @@ def differing_chains(
     return wrong, len(lines)
 
 
+def fewest_draft_steps(requests: int, max_tokens: int, k: int) -> int:
+    """The fewest draft phases that greedy requests of `max_tokens` can take at a fixed K,
+    whatever is accepted: the prefill emits the first token and each step at most K + 1. A floor
+    on contexts drafted from that holds on any CPU (how many drafts land moves with the
+    machine's floating-point paths, which decide the near ties of a random drafter's logits)."""
+    return requests * -(-(max_tokens - 1) // (k + 1))
+
+
 def assert_chains_are_the_standalone_proposers(
     target: Path, drafter: Path, trace: Path, k: int, at_least: int
 ) -> None:

@@ -19,6 +19,7 @@ from tests.vllm_integration.chains import (
     ENGINES,
     assert_chains_are_the_standalone_proposers,
     encode,
+    fewest_draft_steps,
     moa,
     plain_greedy,
 )
@@ -61,7 +62,7 @@ def test_moa_on_the_gpu_page_layout_drafts_as_the_standalone_proposer(
         assert got["passes"] == plain["passes"], name
         assert got["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0, name
         assert_chains_are_the_standalone_proposers(
-            target, drafter, tmp_path / f"{name}.jsonl", K, 4 * 10
+            target, drafter, tmp_path / f"{name}.jsonl", K, fewest_draft_steps(4, 24, K)
         )
 
 
@@ -81,4 +82,8 @@ def test_moa_with_the_triton_kernels_on_the_gpu_page_layout(moa_pair, sensitive_
     assert "sa TritonPagedKV" in log and "memory TritonPagedKV" in log
     assert got["passes"] == [plain_greedy(target, prompts, 24)]
     assert got["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
-    assert_chains_are_the_standalone_proposers(target, sensitive_drafter, trace, K, 2 * 10)
+    # every step drafts (fixed K): at least the fewest steps 2 x 24 tokens allow (12); on an
+    # AVX-512 CPU 20+ were seen, on an AVX2 one 14 (more drafts accepted)
+    assert_chains_are_the_standalone_proposers(
+        target, sensitive_drafter, trace, K, fewest_draft_steps(2, 24, K)
+    )
