@@ -1,11 +1,13 @@
 """scripts/gpu_check.sh (benchmarks/gpu_check): the one-call GPU check, run here in its CPU mode
-(tiny shapes, Triton's interpreter, no CUDA graphs), as CI runs it; its plan, budget and card
-naming without running the steps."""
+(tiny shapes, Triton's interpreter, no CUDA graphs) from a bare copy of the checkout as the
+device runs it (nothing of the project installed, no vLLM); its plan, budget and card naming
+without running the steps."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +22,46 @@ SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 SHORT = [s.id for s in STEPS if s.id[0] in "123"]
 
 
-def _check(tmp_path: Path, *flags: str) -> tuple[int, dict]:
+# What the device has: torch, triton, transformers, safetensors, pytest, but neither vLLM nor
+# this project installed. A sitecustomize on PYTHONPATH drops this venv's editable-install finder
+# and refuses vLLM imports, in the check and in every process it starts.
+DEVICE_SITE = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+
+
+class _NoVllm:
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError(f"No module named {name!r} (the device has no vLLM)")
+
+
+sys.meta_path.insert(0, _NoVllm())
+"""
+
+
+def _bare_copy(dest: Path) -> Path:
+    """The checkout's tracked files, as the device tool copies a working tree (no .git)."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()  # fmt: skip
+    for name in files:
+        (dest / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, dest / name)
+    site = dest.parent / "device_site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(DEVICE_SITE)
+    return site
+
+
+def _check(tmp_path: Path, *flags: str, bare: bool = False) -> tuple[int, dict]:
     env = dict(os.environ, PYTHON=sys.executable, GPU_CHECK_SHA="")
+    script = SCRIPT
+    if bare:
+        checkout = tmp_path / "checkout"
+        env["PYTHONPATH"] = str(_bare_copy(checkout))
+        env["GPU_CHECK_SHA"] = "bare-copy"
+        script = checkout / "scripts" / "gpu_check.sh"
     done = subprocess.run(
-        ["bash", str(SCRIPT), "--cpu", "--out", str(tmp_path), *flags],
+        ["bash", str(script), "--cpu", "--out", str(tmp_path), *flags],
         capture_output=True,
         text=True,
         timeout=300,
@@ -36,8 +74,11 @@ def _check(tmp_path: Path, *flags: str) -> tuple[int, dict]:
 
 
 @pytest.mark.slow
-def test_the_cpu_mode_runs_every_step_end_to_end(tmp_path):
-    rc, report = _check(tmp_path)
+def test_the_cpu_mode_runs_every_step_end_to_end_from_a_bare_copy(tmp_path):
+    """As the device runs it: a copy of the tracked files, nothing of the project installed and
+    no vLLM importable, so gpu_check.sh lays out scripts/device_tree.sh's folder and runs there
+    (step 2a's kernel tests included)."""
+    rc, report = _check(tmp_path, bare=True)
     statuses = {k: v["status"] for k, v in report["steps"].items()}
     assert list(statuses) == [s.id for s in STEPS]
     assert all(s == "ok" for s in statuses.values()), json.dumps(report["steps"], indent=1)[:4000]
@@ -52,6 +93,7 @@ def test_the_cpu_mode_runs_every_step_end_to_end(tmp_path):
     assert all("c_eager" in r and "c_graph" not in r for r in draft["figures"]["rows"])
     assert any("CUDA-graph capture skipped" in n for n in draft["notes"])
     assert steps["1_env"]["checks"]["no_vllm_imported"]
+    assert steps["2a_kernel_tests"]["figures"]["tests"] == 3, steps["2a_kernel_tests"]
     assert steps["6_projection"]["figures"]["label"].startswith("PROJECTION")
 
 
