@@ -30,6 +30,34 @@ def test_version_check_names_the_supported_version():
         check_vllm_version("0.34.0")
 
 
+@pytest.mark.parametrize("version", ["0.34.0", "0.32.0"])
+def test_an_unsupported_release_loads_the_plugin_without_breaking_vllm(version):
+    """vLLM loads general plugins in every process: on a release we do not support, loading
+    them must not raise (else no `vllm serve` works in that environment, MoA or not); nothing
+    is patched and the log says why. Control: on 0.32.0 the same load adds the method."""
+    import subprocess
+    import sys
+
+    code = (
+        "import vllm\n"
+        f"vllm.__version__ = {version!r}\n"
+        "from vllm.plugins import load_general_plugins\n"
+        "load_general_plugins()\n"
+        "from vllm.config.speculative import SpeculativeConfig\n"
+        "print('MOA' if 'moa' in str(SpeculativeConfig.__dataclass_fields__['method'].type)"
+        " else 'NO MOA')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = done.stdout.strip().splitlines()[-1]
+    if version == "0.34.0":
+        assert said == "NO MOA"
+        assert "'moa' is not available: vllm_moa supports vLLM 0.32.0 and 0.33.0" in done.stderr
+    else:
+        assert said == "MOA" and "is not available" not in done.stderr
+
+
 def test_register_is_idempotent_and_extends_the_method_literal():
     from vllm.config.speculative import SpeculativeConfig
 

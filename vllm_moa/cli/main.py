@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 from vllm_moa.checkpoint.gguf_import import DTYPES
 from vllm_moa.checkpoint.real_target import REAL_TARGETS
-from vllm_moa.cli import commands, hsd, real_target
+from vllm_moa.cli import commands, hsd, real_target, regenerate
 from vllm_moa.training.config import TrainConfig
+from vllm_moa.training.regenerate_config import RegenerateConfig
 
 
 def positive_int(text: str) -> int:
@@ -253,6 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="distil a drafter (MoA or a baseline) against a target")
     add_dataclass_flags(p, TrainConfig)
     p.set_defaults(func=commands.train)
+
+    p = sub.add_parser(
+        "regenerate",
+        help="the target's own responses to prompt files (vLLM), as `train --data` records; "
+        "part of each evaluation set held out",
+        description="Self-distillation data: every training prompt answered by the target "
+        "through vLLM, written as chat records; resumable (docs/training.md).",
+    )
+    add_dataclass_flags(p, RegenerateConfig)
+    p.set_defaults(func=regenerate.regenerate)
 
     p = sub.add_parser(
         "export-eagle",

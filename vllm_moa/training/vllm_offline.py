@@ -1,0 +1,57 @@
+"""The target answering `vllm-moa regenerate`'s prompts: vLLM's offline engine (`vllm.LLM`).
+
+Only vLLM's public API (`LLM`, `SamplingParams`), imported when a generator is made; the
+project's vLLM plugin loads in the engine as in any vLLM process (a plain target: nothing to do).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_moa.training.generator import Completion, Request
+from vllm_moa.training.regenerate_config import RegenerateConfig
+
+
+class VllmGenerator:
+    """`config.target` in a `vllm.LLM`; sampling at `config.temperature`, `config.max_tokens`
+    per response, each request with its own seed."""
+
+    def __init__(self, config: RegenerateConfig) -> None:
+        if config.kv_cache_gib is not None:  # read by vLLM's CPU backend when the engine starts
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        from vllm import LLM
+
+        self.config = config
+        self.llm: Any = LLM(
+            model=config.target,
+            dtype=config.dtype,
+            seed=config.seed,
+            max_model_len=config.max_model_len,
+            enforce_eager=config.enforce_eager,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.llm.model_config.max_model_len)
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        from vllm import SamplingParams
+
+        params = [
+            SamplingParams(
+                temperature=self.config.temperature, max_tokens=self.config.max_tokens, seed=r.seed
+            )
+            for r in requests
+        ]
+        prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [
+            Completion(
+                text=o.outputs[0].text,
+                num_tokens=len(o.outputs[0].token_ids),
+                finish_reason=str(o.outputs[0].finish_reason),
+            )
+            for o in outputs
+        ]
