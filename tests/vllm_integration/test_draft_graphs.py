@@ -124,3 +124,31 @@ def test_control_stale_padding_writes_other_requests_rows(monkeypatch):
     monkeypatch.setattr(DraftGraphs, "_pad", lambda self, start: None)
     by_graphs, by_core = _smaller_after_larger(core, graphs)
     assert not same_pages(by_graphs, by_core)
+
+
+@pytest.mark.parametrize("required", [False, True])
+def test_a_loop_left_eager_is_visible_and_can_be_made_fatal(required, monkeypatch, caplog):
+    """Where vLLM captures CUDA graphs and the draft loop stays eager (here: the drafter's pages
+    cannot be laid over vLLM's caches, as a KV layout the reader does not know makes
+    `core.ready()` raise), start-up goes on with a warning naming why, or stops with an error
+    under VLLM_MOA_REQUIRE_GRAPHS=1 (benchmarks, a first GPU run)."""
+    from types import SimpleNamespace
+
+    from vllm_moa.vllm_plugin.speculator import REQUIRE_GRAPHS_ENV, MoASpeculator
+
+    def unreadable() -> bool:
+        raise ValueError("page_views: packed KV layout")
+
+    stub = SimpleNamespace(core=SimpleNamespace(ready=unreadable), graphs=None)
+    monkeypatch.setenv(REQUIRE_GRAPHS_ENV, "1" if required else "0")
+    never = pytest.fail  # the capture is never reached
+    if required:
+        with pytest.raises(RuntimeError, match=r"not captured .*pages could not be laid") as e:
+            MoASpeculator.capture_with(stub, never)  # type: ignore[arg-type]
+        assert isinstance(e.value.__cause__, ValueError)
+    else:
+        with caplog.at_level("WARNING", logger="vllm.moa"):
+            MoASpeculator.capture_with(stub, never)  # type: ignore[arg-type]
+        assert "MoA draft loop not captured (the drafter's pages could not" in caplog.text
+        assert f"{REQUIRE_GRAPHS_ENV}=1 makes this an error" in caplog.text
+        assert stub.graphs is None

@@ -53,6 +53,23 @@ from vllm_moa.vllm_plugin.tail_attention import static_unsupported
 from vllm_moa.vllm_plugin.tensor_parallel import on_every_rank
 
 logger = logging.getLogger(LOGGER_NAME)
+# "1": a draft loop left eager where vLLM captures CUDA graphs fails start-up instead of costing
+# the speed-up silently (benchmarks, tests, a first GPU run)
+REQUIRE_GRAPHS_ENV = "VLLM_MOA_REQUIRE_GRAPHS"
+
+
+def not_captured(reason: str, error: BaseException | None = None) -> None:
+    """The draft loop stays eager where vLLM captures CUDA graphs: a warning naming why, or,
+    under VLLM_MOA_REQUIRE_GRAPHS=1, an error that stops start-up."""
+    if os.environ.get(REQUIRE_GRAPHS_ENV, "0") == "1":
+        raise RuntimeError(
+            f"MoA draft loop not captured ({reason}) and {REQUIRE_GRAPHS_ENV}=1: unset it to "
+            "draft eagerly (slower), or fix the cause"
+        ) from error
+    logger.warning(
+        "MoA draft loop not captured (%s): drafting eagerly, which costs speed; "
+        "%s=1 makes this an error", reason, REQUIRE_GRAPHS_ENV, exc_info=error,
+    )  # fmt: skip
 
 
 class MoASpeculator(DraftModelSpeculator):
@@ -139,8 +156,8 @@ class MoASpeculator(DraftModelSpeculator):
     def capture(self) -> None:
         """CUDA graphs of the draft loop (draft_graphs.py), called by the V2 runner's
         capture_model after the target's, inside vLLM's `graph_capture` (as its own graphs, any
-        tensor parallelism). A capture that fails drafts eagerly (logged), never a start-up that
-        crashes."""
+        tensor parallelism). A loop left eager (a capture that fails, a TLI tail vLLM's graphs
+        cannot hold) is a warning naming why, or with VLLM_MOA_REQUIRE_GRAPHS=1 an error."""
         mode = getattr(self, "cudagraph_mode", None)
         if self.device.type != "cuda" or mode is None or mode.name == "NONE":
             return
@@ -148,7 +165,7 @@ class MoASpeculator(DraftModelSpeculator):
         if core is not None and core.drafter.config.tli and mode.decode_mode().name != "FULL":
             # The tail's attention runs inside the graph: only where vLLM captures its
             # attention backend's decode whole (not PIECEWISE, which keeps attention eager).
-            logger.info("MoA draft loop not captured (TLI > 0 under %s CUDA graphs)", mode.name)
+            not_captured(f"TLI > 0 under {mode.name} CUDA graphs: needs FULL decode graphs")
             return
 
         def on_gpu(graphs: DraftGraphs) -> None:  # GPU-only branch
@@ -162,17 +179,22 @@ class MoASpeculator(DraftModelSpeculator):
         stand-in); keep them where every rank captured them. TLI > 0 needs every tail layer's
         attention builder to refresh its metadata in place, else the loop stays eager."""
         core = self.core
-        if core is None or not core.ready():
+        if core is None:
+            return
+        try:  # page views over vLLM's caches: a layout the reader does not know raises
+            ready = core.ready()
+        except Exception as e:
+            not_captured("the drafter's pages could not be laid over vLLM's caches", e)
+            return
+        if not ready:
             return
         tail = None
         if core.drafter.config.tli:
             tail = core.tail_layers
             unsupported = static_unsupported(tail)
             if unsupported:
-                logger.info(
-                    "MoA draft loop not captured (TLI > 0: %s cannot refresh draft metadata "
-                    "in place): eager", ", ".join(unsupported),
-                )  # fmt: skip
+                names = ", ".join(unsupported)
+                not_captured(f"TLI > 0: {names} cannot refresh draft metadata in place")
                 return
         sizes = draft_graph_sizes(self.vllm_config, self.max_num_reqs)
         widths = {g: int(self.block_tables.input_block_tables[g].shape[1]) for g, _ in core.groups}
@@ -183,11 +205,12 @@ class MoASpeculator(DraftModelSpeculator):
             capture(graphs)
             captured = True
         except Exception:
-            logger.warning("MoA draft loop capture failed: drafting eagerly", exc_info=True)
+            logger.warning("MoA draft loop capture failed", exc_info=True)
             captured = False
-        if self.tp > 1 and not on_every_rank(captured):  # every rank replays, or none
-            logger.warning("MoA draft loop capture failed on another rank: drafting eagerly")
-            captured = False
+        if self.tp > 1:  # every rank replays, or none (and under the setting every rank raises)
+            captured = on_every_rank(captured)
+        if not captured:
+            not_captured("the capture failed here or on another rank")
         self.graphs = graphs if captured else None
 
     # -- one step --------------------------------------------------------------------------------
