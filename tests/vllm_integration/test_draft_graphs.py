@@ -152,3 +152,18 @@ def test_a_loop_left_eager_is_visible_and_can_be_made_fatal(required, monkeypatc
         assert "MoA draft loop not captured (the drafter's pages could not" in caplog.text
         assert f"{REQUIRE_GRAPHS_ENV}=1 makes this an error" in caplog.text
         assert stub.graphs is None
+
+
+def test_draft_graphs_stay_within_vllms_capture_sizes():
+    """The draft loop is captured at vLLM's capture sizes up to max_num_seqs and never beyond
+    them (there vLLM runs the target eagerly and its attention metadata is not graph-safe)."""
+    from types import SimpleNamespace
+
+    from vllm_moa.vllm_plugin.speculator import draft_graph_sizes
+
+    def config(sizes):
+        return SimpleNamespace(compilation_config=SimpleNamespace(cudagraph_capture_sizes=sizes))
+
+    assert draft_graph_sizes(config([1, 2, 4, 8, 16]), 12) == [1, 2, 4, 8]
+    assert draft_graph_sizes(config([1, 2, 4]), 256) == [1, 2, 4]
+    assert draft_graph_sizes(config(None), 8) == []

@@ -197,6 +197,8 @@ class MoASpeculator(DraftModelSpeculator):
                 not_captured(f"TLI > 0: {names} cannot refresh draft metadata in place")
                 return
         sizes = draft_graph_sizes(self.vllm_config, self.max_num_reqs)
+        if not sizes:  # vLLM captures no decode batch this small either
+            return
         widths = {g: int(self.block_tables.input_block_tables[g].shape[1]) for g, _ in core.groups}
         graphs = DraftGraphs(
             core, sizes, self.num_speculative_steps, widths, self.model_len, self.device, tail
@@ -284,9 +286,12 @@ class MoASpeculator(DraftModelSpeculator):
 
 def draft_graph_sizes(vllm_config: Any, max_num_reqs: int) -> list[int]:
     """Batch sizes to capture the draft loop at: vLLM's CUDA-graph capture sizes up to
-    `max_num_reqs` (a decode step of B requests), and `max_num_reqs` itself."""
+    `max_num_reqs` (a decode step of B requests), never beyond them: above its largest capture
+    size vLLM runs the target eagerly, and its attention builders make metadata there that it
+    marks not graph-safe (FLASH_ATTN sets max_num_splits=0), which TLI's tail would capture.
+    Larger batches draft eagerly, as the target runs."""
     sizes = getattr(vllm_config.compilation_config, "cudagraph_capture_sizes", None) or []
-    return sorted({int(s) for s in sizes if int(s) <= max_num_reqs} | {max_num_reqs})
+    return sorted({int(s) for s in sizes if int(s) <= max_num_reqs})
 
 
 def step_views(
