@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 
 from vllm_moa.training.regenerate_config import RegenerateConfig
 
@@ -18,8 +19,9 @@ def config_from_args(args: argparse.Namespace) -> RegenerateConfig:
 
 def regenerate(args: argparse.Namespace) -> int:
     from vllm_moa.training.regenerate import regenerate as run
+    from vllm_moa.vllm_plugin.offline_generation import VllmGenerator
 
     config = config_from_args(args)
-    summary = run(config)
+    summary = run(config, functools.partial(VllmGenerator, config))
     print(summary.describe(config))
     return 0

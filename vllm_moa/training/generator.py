@@ -1,11 +1,11 @@
 """What answers `vllm-moa regenerate`'s prompts: the seam between the run
-(training/regenerate.py) and vLLM (training/vllm_offline.py), or a stand-in in tests."""
+(training/regenerate.py) and vLLM (vllm_plugin/offline_generation.py), or a stand-in in tests."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,9 @@ class Completion:
     finish_reason: str  # "stop" (EOS / a stop token) or "length" (max_tokens or the context)
 
 
+@runtime_checkable
 class Generator(Protocol):
-    """What answers the prompts: vLLM (training/vllm_offline.py), or a stand-in in tests."""
+    """What answers the prompts: vLLM (vllm_plugin/offline_generation.py), or a test stand-in."""
 
     @property
     def max_model_len(self) -> int: ...

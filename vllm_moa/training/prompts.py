@@ -3,13 +3,12 @@
 A file holds JSON records, one a line (`.jsonl`, `.json`, optionally gzipped), all in one
 layout, told apart by its first record's keys:
 
-| layout | files | the prompt | set |
-|---|---|---|---|
-| `turns` | Spec-Bench, MT-Bench, the MoA paper's 6-task set (`question_id`, `category`, `turns`) | the first turn | evaluation |
-| `humaneval` | HumanEval (`task_id`, `prompt`) | `prompt` | evaluation |
-| `question` | GSM8K (`question`, `answer`) | `question` | training |
-| `messages` | chat records | the first user message | training |
-| `prompt` | `{"prompt": ...}` | `prompt` | training |
+- `turns`: Spec-Bench, MT-Bench, the MoA paper's 6-task set (`question_id`, `category`,
+  `turns`); the prompt is the first turn. Evaluation.
+- `humaneval`: HumanEval (`task_id`, `prompt`). Evaluation.
+- `question`: GSM8K (`question`, `answer`). Training.
+- `messages`: chat records; the prompt is the first user message. Training.
+- `prompt`: `{"prompt": ...}`. Training.
 
 Evaluation sets are the benchmarks' layouts: part of each is held out (training/hold_out.py).
 A prompt's id is `SOURCE:LINE`, the file's name without `.jsonl`/`.json`/`.gz` and the record's
@@ -62,7 +61,7 @@ def read_prompt_file(path: Path) -> PromptFile:
     if not path.name.removesuffix(".gz").endswith((".jsonl", ".json")):
         raise ValueError(
             f"prompt file {path}: expected JSON records one a line (.jsonl, .json, optionally "
-            ".gz), e.g. {{\"prompt\": ...}}; see docs/training.md for the layouts read"
+            '.gz), e.g. {{"prompt": ...}}; see docs/training.md for the layouts read'
         )
     source = source_name(path)
     layout: Layout | None = None

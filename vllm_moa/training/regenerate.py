@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ class RegenerateSummary:
             f"before; {self.held_out} of {self.prompts} prompts held out "
             f"({config.held_out_path}), {self.overlapping} left out as overlapping them, "
             f"{self.duplicates} duplicates, {self.too_long} too long for the context"
+            + (" (skipped: --max-model-len, if the model allows more)" if self.too_long else "")
         )
 
 
@@ -128,7 +129,9 @@ def make_record(prompt: Prompt, completion: Completion, config: RegenerateConfig
     return record
 
 
-def regenerate(config: RegenerateConfig, generator: Generator | None = None) -> RegenerateSummary:
+def regenerate(
+    config: RegenerateConfig, generator: Generator | Callable[[], Generator]
+) -> RegenerateSummary:
     """Answer every training prompt of `config.prompts` not yet in `config.out`; `generator`:
     vLLM on `config.target` when not given (started only if a prompt is left to answer)."""
     files = read_prompt_files(config.prompts)
@@ -138,18 +141,17 @@ def regenerate(config: RegenerateConfig, generator: Generator | None = None) -> 
     out.parent.mkdir(parents=True, exist_ok=True)
     resumed = resume(out)
     if resumed.truncated_bytes:
-        print(f"regenerate: cut a half-written last line ({resumed.truncated_bytes} bytes) from "
-              f"{out}", file=sys.stderr)  # fmt: skip
+        cut = resumed.truncated_bytes
+        print(f"regenerate: cut a half-written last line ({cut} bytes) from {out}", file=sys.stderr)
     check_settings(config, resumed)
     refuse_held_out_records(config, resumed, {p.id for p in (*split.held_out, *split.overlapping)})
     write_held_out(config.held_out_path, split.held_out)
     todo = [p for p in split.train if p.id not in resumed.ids]
     tally = _Tally()
     if todo:
-        if generator is None:
-            from vllm_moa.training.vllm_offline import VllmGenerator
-
-            generator = VllmGenerator(config)
+        # a factory is called only when there is work (a vLLM engine takes a while to start)
+        if not isinstance(generator, Generator):
+            generator = generator()
         _answer(todo, len(split.train), tokenizer, generator, config, tally)
     return _summary(files, split, len(split.train) - len(todo), tally)
 

@@ -10,7 +10,15 @@ from typing import Any, Literal, get_args
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 # The settings a response depends on: a resumed run must give the same ones (regenerate_output.py).
-RESPONSE_FIELDS = ("target", "dtype", "max_tokens", "temperature", "seed", "system", "chat_template")
+RESPONSE_FIELDS = (
+    "target",
+    "dtype",
+    "max_tokens",
+    "temperature",
+    "seed",
+    "system",
+    "chat_template",
+)
 
 
 @dataclass(frozen=True)
@@ -55,9 +63,7 @@ class RegenerateConfig:
         default=64,
         metadata={"min": 1, "help": "prompts submitted to vLLM at a time; written after each"},
     )
-    dtype: Dtype = field(
-        default="auto", metadata={"help": "vLLM's dtype (auto: the checkpoint's)"}
-    )
+    dtype: Dtype = field(default="auto", metadata={"help": "vLLM's dtype (auto: the checkpoint's)"})
     seed: int = field(
         default=0,
         metadata={"help": "sampling seed: each prompt's is derived from it and the prompt's id"},

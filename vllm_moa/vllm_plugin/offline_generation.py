@@ -1,7 +1,9 @@
 """The target answering `vllm-moa regenerate`'s prompts: vLLM's offline engine (`vllm.LLM`).
 
-Only vLLM's public API (`LLM`, `SamplingParams`), imported when a generator is made; the
-project's vLLM plugin loads in the engine as in any vLLM process (a plain target: nothing to do).
+Only vLLM's public API (`LLM`, `SamplingParams`), imported when a generator is made; it lives in
+the vLLM integration, the one package that imports vLLM, and the CLI hands it to
+`training.regenerate` (which only knows the `Generator` protocol). The project's vLLM plugin
+loads in the engine as in any vLLM process (a plain target: nothing to do).
 """
 
 from __future__ import annotations
