@@ -88,13 +88,18 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             weight = linear.weight.detach().to(self.compute_dtype)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        # cast once here, not per call (a no-op view where compute_dtype is the weight's)
+        self.packed_bias = (
+            None if linear.bias is None else linear.bias.detach().to(self.compute_dtype)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()
-        bias = None if self.bias is None else self.bias.detach().to(self.compute_dtype)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, bias, "none", [], "")
+        out = torch.ops.mkldnn._linear_pointwise(
+            flat, self.packed, self.packed_bias, "none", [], ""
+        )
         return out.to(self.weight.dtype).reshape(*x.shape[:-1], self.out_features)
 
 

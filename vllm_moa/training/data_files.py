@@ -34,7 +34,7 @@ def read_records(path: Path) -> Iterator[Record]:
         elif file.name.removesuffix(".gz").endswith((".jsonl", ".json")):
             yield from _jsonl_records(file)
         else:
-            yield Text("".join(_read_lines(file)))
+            yield Text("".join(read_lines(file)))
 
 
 def _files(path: Path) -> list[Path]:
@@ -61,14 +61,15 @@ def _files(path: Path) -> list[Path]:
     return shards
 
 
-def _read_lines(path: Path) -> Iterator[str]:
+def read_lines(path: Path) -> Iterator[str]:
+    """The lines of a text file, gzip-compressed where its name ends in .gz."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         yield from f
 
 
 def _jsonl_records(path: Path) -> Iterator[Record]:
-    for n, line in enumerate(_read_lines(path), 1):
+    for n, line in enumerate(read_lines(path), 1):
         if not line.strip():
             continue
         try:

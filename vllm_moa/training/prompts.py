@@ -17,12 +17,13 @@ line (from 0): the same file gives the same ids, so a resumed run knows what it 
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from vllm_moa.training.data_files import read_lines
 
 Layout = Literal["turns", "humaneval", "question", "messages", "prompt"]
 EVALUATION_LAYOUTS: frozenset[str] = frozenset({"turns", "humaneval"})
@@ -86,20 +87,18 @@ def read_prompt_file(path: Path) -> PromptFile:
 
 def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line index from 0, record) of each non-blank line."""
-    opener: Any = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"{path}:{i + 1}: a record must be a JSON object, got {type(record).__name__}"
-                )
-            yield i, record
+    for i, line in enumerate(read_lines(path)):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{path}:{i + 1}: a record must be a JSON object, got {type(record).__name__}"
+            )
+        yield i, record
 
 
 def _layout(record: dict[str, Any], where: str) -> Layout:
