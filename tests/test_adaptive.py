@@ -346,30 +346,32 @@ def simulate(p: float, policy: str, steps: int = 400, batch: int = 8, seed: int 
     return tokens / time, chosen
 
 
-def test_probes_one_request_the_cheapest_and_back_off():
-    """While nothing drafts, a probe every PROBE_EVERY steps (then 2x, 4x, ...) drafts one token
-    for the request whose catch-up costs least; a step that drafts resets the interval."""
+def test_explorations_draft_the_cheapest_request_s_whole_budget_at_a_fixed_interval():
+    """While nothing drafts, every PROBE_EVERY steps (no back-off: a back-off to 16x the interval
+    kept a wrong belief for thousands of steps) one request drafts its whole budget (one token
+    times too few verify sizes to measure b again): the request whose catch-up costs least."""
     probes = Probes()
     budgets, catch_up = [4, 4, 0, 4], [120, 7, 0, 30]
     probed = [s for s in range(1, 200) if any(probes.apply([0] * 4, budgets, catch_up))]
-    assert probed == [PROBE_EVERY, 2 * PROBE_EVERY, 4 * PROBE_EVERY]
-    assert Probes(due=1).apply([0] * 4, budgets, catch_up) == [0, 1, 0, 0]
-    assert Probes(due=1).apply([0, 0], [0, 3]) == [0, 1]  # no budget, no probe
+    assert probed == [PROBE_EVERY * i for i in range(1, 7)] and probes.count == 6
+    assert Probes(due=1).apply([0] * 4, budgets, catch_up) == [0, 4, 0, 0]
+    assert Probes(due=1).apply([0, 0], [0, 3]) == [0, 3]  # no budget, no exploration
     assert probes.apply([0, 2, 0, 0], budgets, catch_up) == [0, 2, 0, 0]
-    assert probes.every == PROBE_EVERY
 
 
-def test_probes_keep_their_cost_within_their_share_of_the_time():
-    """A probe that cost 0.1 s waits until the steps since (0.01 s each) have earned it back at
-    2% of their time: 500 steps."""
-    probes = Probes(due=1)
-    assert any(probes.apply([0, 0], [4, 4], step_time=0.01)) and probes.probing
-    probes.spent(0.1)
-    probes.due = 0  # the step interval has passed: only the time share holds the next probe
-    waited = 0
-    while not any(probes.apply([0, 0], [4, 4], step_time=0.01)):
-        waited += 1
-    assert waited == pytest.approx(500, abs=2)
+def test_explorations_keep_their_cost_within_their_share_of_the_time():
+    """An exploration that cost 0.02 s waits until the steps since (0.01 s each) have earned it
+    back at 2% of their time: 100 steps; one that cost 0.1 s (a burst) waits no more than
+    `max_wait` steps, not the 500 its cost would earn back."""
+    for cost, wait in ((0.02, 100), (0.1, Probes().max_wait)):
+        probes = Probes(due=1)
+        assert any(probes.apply([0, 0], [4, 4], step_time=0.01)) and probes.probing
+        probes.spent(cost)
+        probes.due = 0  # the step interval has passed: only the time share holds the next one
+        waited = 0
+        while not any(probes.apply([0, 0], [4, 4], step_time=0.01)):
+            waited += 1
+        assert waited == pytest.approx(wait, abs=2)
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.6, 0.9])

@@ -2,7 +2,8 @@
 verifies K slots whatever is drafted, so the rule picks the batch's number of draft steps m. A
 simulated engine (a fake clock: a target step of 20 ms, a draft step of 2 ms) feeds it each
 step's verdict as V2 reports it (rejected slots per request, the padding past m included): a
-drafter that lands its drafts keeps K, a useless one ends at m = 0 with a probe now and then,
+drafter that lands its drafts keeps K, a useless one ends at m = 0 with an exploration of K
+steps now and then,
 and each outcome is the other's control (same code, only the verdicts differ)."""
 
 from __future__ import annotations
@@ -52,8 +53,10 @@ def test_a_drafter_that_lands_its_drafts_keeps_k():
 def test_a_useless_drafter_stops_drafting_but_probes():
     chosen = simulate(accept=0.0)
     late = chosen[100:]
-    assert np.mean(late) < 0.1, late[:40]  # control: the landing drafter above keeps K
-    assert any(late), "no probe: a change of text would never be noticed"
+    # explorations (K steps at once) within their 2% share of the time; control: the landing
+    # drafter above keeps K
+    assert 0.002 * sum(late) <= 0.02 * 0.020 * len(late), late[:40]
+    assert max(late) == K, "no exploration: a change of text would never be noticed"
 
 
 @pytest.mark.parametrize("batch", [1, 8])

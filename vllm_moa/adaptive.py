@@ -17,9 +17,11 @@ Two online estimates feed one rule.
   the prior, since the rule measures only what it drafts (`_explore`).
 - `StepCosts` (one per engine): the verify step's time as a + b * n for n tokens in it, and the
   draft phase's as c + d * m + e * s + r * w for m draft steps, s drafts in all and w history
-  rows written (least squares over recent steps, exponentially forgotten; all requests draft
-  together, so the draft steps cost d each however many requests draft, each draft e more, and
-  each row of the drafter's history, e.g. MoA's LSA memory, r).
+  rows written (robust fits to the latest timings: medians per verify size, the draft phases
+  less outliers, re-calibrated when timings keep disagreeing, so a burst of slow steps cannot
+  poison them for long; all requests draft together, so the draft steps cost d each however
+  many requests draft, each draft e more, and each row of the drafter's history, e.g. MoA's
+  LSA memory, r).
 
 `choose_lengths` then maximises the batch's goodput, expected tokens per second,
 
@@ -35,7 +37,9 @@ over k_r <= budget_r: for every candidate number of draft steps m in 0..K, each 
 the drafts whose expected extra tokens beat their verify cost at the current goodput, up to m;
 the best m wins. Plain decoding (m = 0) is one of the candidates, so a drafter that never
 matches, or a load where extra verify tokens cost more than they return, ends at K = 0; then
-`Probes` has one request draft one token now and then, so that a change is noticed.
+`Probes` has one request draft its whole budget now and then, within 2% of the time, which
+measures costs and acceptance again: a wrong belief is corrected within a bounded number of
+explorations, whatever caused it.
 `DraftGuard` checks the cost model by measurement: per batch size, its error on steps with and
 without the rule's drafts (measured over predicted seconds) corrects the predicted gain, and
 drafting is vetoed where the corrected gain is below 1 (and, from 8 requests on, where its
@@ -51,6 +55,8 @@ from __future__ import annotations
 
 import math
 import os
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 ADAPTIVE_ENV = "VLLM_MOA_ADAPTIVE"
@@ -200,77 +206,136 @@ class AcceptanceTracker:
 
 @dataclass
 class StepCosts:
-    """Online step-cost model (seconds): the verify step a + b * tokens, and the draft phase
-    c + d * m + e * s + r * w for m draft steps, s drafts in all and w history rows written
-    (everything a step with drafts costs beyond the verify step: for MoA the rows of the tokens
-    just verified, and of those a request skipped while it did not draft, the draft steps over
-    the drafting requests, bookkeeping; e is what makes drafting for a large batch cost more, r
-    what makes a request that starts drafting after a long prompt or pause cost more). Least
-    squares over recent steps, exponentially forgotten. b is the prefill steps' time per token
-    (a bound; 0 without any) until the steps seen vary enough in size to tell; each of e and r
-    is fitted only once its regressor has varied apart from those before it (at batch 1,
-    s = m), and the draft phase falls back to c + d * m, then to a mean ratio d, when m has not
-    varied enough to tell, or a fit would need a negative coefficient. A coefficient the recent
-    steps no longer identify keeps its last identified value: a load that holds the batch
-    steady must not make its extra tokens (b) or a long prompt's rows (r) look free."""
+    """Step-cost model (seconds) from the engine's own timings: the verify step a + b * tokens,
+    and the draft phase c + d * m + e * s + r * w for m draft steps, s drafts in all and w
+    history rows written (everything a step with drafts costs beyond the verify step: for MoA
+    the rows of the tokens just verified, and of those a request skipped while it did not
+    draft, the draft steps over the drafting requests, bookkeeping; e is what makes drafting
+    for a large batch cost more, r what makes a request that starts drafting after a long
+    prompt or pause cost more).
 
-    forget: float = 0.05  # weight of each new observation in the running moments
-    min_spread: float = 0.4  # std of n (of m, s, w) below which b (c and d, e, r) is not identified
+    Noise cannot poison it for long: wall-clock timings on a shared machine come in bursts
+    (compilation and first calls at start-up, another process, a page-in), and a belief that
+    extra tokens cost five times a step once stopped drafting for the life of a server.
+    - The verify line is fitted to the median of the latest `verify_window` timings of each
+      step size (the `verify_sizes` sizes seen last): b is the weighted median of the slopes
+      between the sizes' medians (Theil-Sen, each pair weighted by its distance), a the median
+      of what b leaves of them. A burst shorter than half a window moves no median, and a
+      longer one is forgotten once each size has been timed `verify_window` times more. Any two
+      sizes identify b (the rule's explorations always time a second one, `Probes`); with one
+      size, b is the prefill steps' cost per token (0 without any). b never exceeds what the
+      steps timed say is possible: a step of n tokens costs at least n * b (a >= 0), and at
+      most twice the prefill steps' median time per token.
+    - The draft phase is fitted by least squares to the latest `draft_window` phases, less
+      those whose time is off the fit's by more than `outlier` times the median ratio: a
+      minority of slow phases is set aside at once, and a change that lasts is adopted once it
+      is the majority. Each of e and r is fitted only once its regressor has varied apart from
+      those before it (at batch 1, s = m), and the phase falls back to c + d * m, then to a mean
+      ratio d, when m has not varied enough to tell, or a fit would need a negative
+      coefficient. A coefficient the recent phases no longer identify keeps its last
+      identified value: a load that holds the batch steady must not make a long prompt's rows
+      (r) look free."""
+
+    forget: float = 0.05  # the draft window is 2 / forget phases
+    min_spread: float = 0.4  # std of m (s, w) below which d (e, r) is not identified
     # Draft phases not observed at first: a server's first one runs cold (first calls of the
     # compiled step, caches, pages of weights not yet touched). In a load sweep one such phase
-    # (about 4x its cost, by the rule's log) made the rule stop drafting, and it learns draft
-    # costs only from the phases it chooses: the serving engines skip one.
+    # (about 4x its cost, by the rule's log) made the rule stop drafting: the serving engines
+    # skip one.
     cold_phases: int = 0
-    _w: float = 0.0
-    _n: float = 0.0
-    _t: float = 0.0
-    _nn: float = 0.0
-    _nt: float = 0.0
-    # Running moments of the draft phases' regressors x = (1, m, s, w) and of x * seconds.
+    verify_window: int = 9
+    verify_sizes: int = 8
+    outlier: float = 3.0
+    # Re-calibration: `recalibrate_after` timings in a row off the current belief by more than
+    # `disagree` times, the same way, replace it (the window keeps only them).
+    recalibrate_after: int = 3
+    disagree: float = 1.5
+    recalibrations: int = 0  # (reported)
+    _verify_off: dict[int, int] = field(default_factory=dict)
+    _draft_off: int = 0
+    # size -> its latest verify timings (most recently seen size last)
+    _verify: dict[int, deque[float]] = field(default_factory=dict)
+    _prefill: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=9))
+    # The draft phases kept: regressors x = (1, m, s, w), seconds, and their products (the
+    # upper triangle of x x^T, then x * seconds), summed in `_sums`.
+    _phases: deque[tuple[tuple[float, ...], float, list[float]]] = field(default_factory=deque)
+    _sums: list[float] = field(default_factory=lambda: [0.0] * 14)
+    # Means over the phases kept (outliers set aside) of x x^T and of x * seconds.
     _xx: list[list[float]] = field(default_factory=lambda: [[0.0] * 4 for _ in range(4)])
     _xt: list[float] = field(default_factory=lambda: [0.0] * 4)
-    base: float = 0.0  # a (the fit of the verify steps, updated with each)
+    base: float = 0.0  # a
     per_token: float = 0.0  # b
     draft_base: float = 0.0  # c
     draft_step: float = 0.0  # d
     draft_each: float = 0.0  # e
     draft_row: float = 0.0  # r
     _draft_phases: int = 0  # draft phases observed (or skipped as cold)
-    # Beyond the decode steps seen: the largest (slowly forgotten) and, from prefill / mixed
-    # steps, the time per token of a large step over the verify base (a bound on b there).
+    draft_outliers: int = 0  # phases set aside at the last fit (reported)
+    # The largest decode step kept and, from prefill / mixed steps, the median time per token
+    # of a large step over the verify base (a bound on b, and b beyond the largest step).
     largest: float = 0.0
     prefill_per_token: float = 0.0
-    _b_identified: bool = False
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
-        f = self.forget if self._w else 1.0
-        self._w += f * (1.0 - self._w)
-        self._n += f * (tokens - self._n)
-        self._t += f * (seconds - self._t)
-        self._nn += f * (tokens * tokens - self._nn)
-        self._nt += f * (tokens * seconds - self._nt)
-        var = self._nn - self._n * self._n
-        if var >= self.min_spread**2:  # else b keeps its last identified value
-            self.per_token = max(0.0, (self._nt - self._n * self._t) / var)
-            self._b_identified = True
-        elif not self._b_identified:  # never identified: the prefill steps' bound (0 without)
-            self.per_token = self.prefill_per_token
-        self.base = max(self._t - self.per_token * self._n, 0.0)
-        self.largest = max(float(tokens), self.largest * (1.0 - 0.1 * self.forget))
+        window = self._verify.pop(tokens, None)
+        if window is None:
+            window = deque(maxlen=self.verify_window)
+        off = self._verify_off.get(tokens, 0)
+        if len(window) >= self.recalibrate_after:
+            off = self._off(off, seconds / max(_median(window), 1e-12))
+        window.append(seconds)
+        if abs(off) >= self.recalibrate_after:
+            for _ in range(len(window) - self.recalibrate_after):
+                window.popleft()
+            off = 0
+            self.recalibrations += 1
+        self._verify_off[tokens] = off
+        self._verify[tokens] = window  # re-inserted: the most recently seen size is last
+        if len(self._verify) > self.verify_sizes:
+            gone = next(iter(self._verify))
+            del self._verify[gone]
+            self._verify_off.pop(gone, None)
+        self.largest = float(max(self._verify))
+        self._fit_verify()
+
+    def _off(self, count: int, ratio: float) -> int:
+        return disagreements(count, ratio, self.disagree)
+
+    def _fit_verify(self) -> None:
+        medians = {n: _median(w) for n, w in self._verify.items()}  # at most 9 timings each
+        sizes = sorted(medians)
+        if len(sizes) >= 2:
+            slopes = [
+                (
+                    (medians[m] - medians[n]) / (m - n),
+                    (m - n) * min(len(self._verify[n]), len(self._verify[m])),
+                )
+                for i, n in enumerate(sizes)
+                for m in sizes[i + 1 :]
+            ]
+            b = _weighted_median(slopes)
+        else:
+            b = self.prefill_per_token
+        bound = min(medians[n] / n for n in sizes if n > 0) if sizes[-1] > 0 else b
+        if self.prefill_per_token:
+            bound = min(bound, 2.0 * self.prefill_per_token)
+        self.per_token = min(max(b, 0.0), bound)
+        self.base = max(_median([medians[n] - self.per_token * n for n in sizes]), 0.0)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A step with prompt tokens (`tokens` in all): its time per token over the verify base
         bounds what a verify token costs beyond the decode steps seen (a fit over small decode
         steps can learn b as about 0 on a target that is compute-bound at a saturated batch's
-        size). Before any decode step, its time per token (base included) stands for b until
-        the decode steps identify it: a fresh server's first burst verifies K drafts for every
-        request in every step, all of one size, and a b of 0 made those steps' cost look like
-        a plain step's."""
+        size), and bounds b itself. Before the decode steps identify b, it stands for b: a
+        fresh server's first burst verifies K drafts for every request in every step, all of
+        one size, and a b of 0 made those steps' cost look like a plain step's. The median of
+        the latest few: a prefill during compilation is not the rule."""
         if tokens <= self.largest:
             return
-        est = max(seconds - self.base, 0.0) / tokens
-        w = 0.3 if self.prefill_per_token else 1.0
-        self.prefill_per_token += w * (est - self.prefill_per_token)
+        self._prefill.append((tokens, seconds))
+        self.prefill_per_token = _median([max(s - self.base, 0.0) / t for t, s in self._prefill])
+        if self._verify:
+            self._fit_verify()
 
     def verify_time(self, tokens: int) -> float:
         """The verify step's time for `tokens`: the fitted line up to the largest decode step
@@ -288,18 +353,56 @@ class StepCosts:
         if steps <= 0:
             return
         self._draft_phases += 1
-        seen = self._draft_phases - self.cold_phases
-        if seen <= 0:
+        if self._draft_phases <= self.cold_phases:
             return
-        # The mean of the phases so far until it weighs each new one less than `forget`: the
-        # rule drafts (and so measures) little while it believes drafting costly, so an early
-        # phase measured too slow must not dominate the next few.
-        f = running_weight(self.forget, seen)
         x = (1.0, float(steps), float(steps if drafts is None else drafts), float(rows))
+        if len(self._phases) >= self.recalibrate_after:
+            believed = self.draft_time(steps, int(x[2]), rows)
+            self._draft_off = self._off(self._draft_off, seconds / max(believed, 1e-12))
+        products = [x[i] * x[j] for i in range(4) for j in range(i, 4)]
+        products += [xi * seconds for xi in x]
+        self._phases.append((x, seconds, products))
+        self._sums = [s + p for s, p in zip(self._sums, products, strict=True)]
+        keep = max(2, round(2.0 / self.forget))
+        if abs(self._draft_off) >= self.recalibrate_after:
+            keep = self.recalibrate_after
+            self._draft_off = 0
+            self.recalibrations += 1
+        while len(self._phases) > keep:
+            gone = self._phases.popleft()[2]
+            self._sums = [s - p for s, p in zip(self._sums, gone, strict=True)]
+        if not self._draft_phases % 1024:  # summed afresh now and then: no rounding drift
+            self._sums = [sum(col) for col in zip(*(p for _, _, p in self._phases), strict=True)]
+        self._moments(self._sums, len(self._phases))
+        self._fit_draft()
+        self.draft_outliers = 0
+        if len(self._phases) < 6:
+            return
+        # Phases off the fit by more than `outlier` x the median ratio are set aside.
+        c, d, e, r = self.draft_base, self.draft_step, self.draft_each, self.draft_row
+        ratios = [s / max(c + d * x[1] + e * x[2] + r * x[3], 1e-12) for x, s, _ in self._phases]
+        mid = _median(ratios)
+        low, high = mid / self.outlier, mid * self.outlier
+        out = [p for p, q in zip(self._phases, ratios, strict=True) if not low <= q <= high]
+        if out:
+            self.draft_outliers = len(out)
+            sums = list(self._sums)
+            for _, _, products in out:
+                sums = [s - p for s, p in zip(sums, products, strict=True)]
+            self._moments(sums, len(self._phases) - len(out))
+            self._fit_draft()
+
+    def _moments(self, sums: list[float], count: int) -> None:
+        """The means of x x^T and x * seconds from their sums over `count` phases."""
+        xx = [[0.0] * 4 for _ in range(4)]
+        k = 0
         for i in range(4):
-            self._xt[i] += f * (x[i] * seconds - self._xt[i])
-            for j in range(4):
-                self._xx[i][j] += f * (x[i] * x[j] - self._xx[i][j])
+            for j in range(i, 4):
+                xx[i][j] = xx[j][i] = sums[k] / count
+                k += 1
+        self._xx, self._xt = xx, [s / count for s in sums[10:]]
+
+    def _fit_draft(self) -> None:
         # The richest fit the data identify: (c, d, e, r), (c, d, r), (c, d, e), (c, d). A
         # coefficient left out keeps its last identified value (0 until it has one), and the
         # others are fitted to what it leaves of the time: a regressor that stops varying (a
@@ -343,7 +446,7 @@ class StepCosts:
 
     @property
     def known(self) -> bool:
-        return self._w > 0 and self._draft_phases > self.cold_phases
+        return bool(self._verify) and self._draft_phases > self.cold_phases
 
     def step_time(
         self, tokens: int, draft_steps: int, drafts: int | None = None, rows: float = 0.0
@@ -359,6 +462,37 @@ class StepCosts:
             return 0.0
         each = self.draft_each * (steps if drafts is None else drafts)
         return self.draft_base + self.draft_step * steps + each + self.draft_row * rows
+
+
+def disagreements(count: int, ratio: float, factor: float) -> int:
+    """The signed count of measurements in a row off a belief by more than `factor` times
+    (positive: slower), after one more at `ratio` (measured over believed)."""
+    if ratio > factor:
+        return max(count, 0) + 1
+    if ratio * factor < 1.0:
+        return min(count, 0) - 1
+    return 0
+
+
+def _median(values: Sequence[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
+
+
+def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
+    """The median of (value, weight) pairs: the smallest value with half the weight at or
+    below it (the mean of two values where the weight splits exactly between them)."""
+    s = sorted(pairs)
+    total = sum(w for _, w in s)
+    acc = 0.0
+    for i, (v, w) in enumerate(s):
+        acc += w
+        if acc > 0.5 * total + 1e-12:
+            return v
+        if abs(acc - 0.5 * total) <= 1e-12 and i + 1 < len(s):
+            return 0.5 * (v + s[i + 1][0])
+    return s[-1][0]
 
 
 def _least_squares(
@@ -441,27 +575,46 @@ def entry_costs(
     return out
 
 
-PROBE_EVERY = 32  # steps between probes, at first
+PROBE_EVERY = 32  # steps between explorations, at most as often
 
 
 @dataclass
 class Probes:
-    """While the rule drafts nothing at all, now and then one request drafts one token anyway,
-    so that a change (other text, a lighter load) is noticed. The probed request is the one whose
-    probe costs least (`catch_up`: e.g. the history rows a drafter must first write for it, since
-    it last drafted); its acceptance also moves the engine-wide prior, so one request a probe is
-    enough, and a batch never pays every request's catch-up at once. Probes come every `every`
-    steps (doubling up to 16x while they change nothing; reset once the rule drafts again), and
-    never more often than keeps their measured cost (`spent`) within `share` of the time the
-    engine spends in steps without drafts (each step's `step_time`: the engine's own time, so
-    idle time or other work in the process earns no probes)."""
+    """Exploration that always recovers: while the rule drafts nothing at all, every `every`
+    steps one request drafts its whole budget anyway, so that the verify cost's slope (a step
+    of K more tokens than a plain one), the draft phase's cost and the acceptance are measured
+    again, whatever made the rule stop (a useless drafter, a heavy load, or a burst of slow
+    timings that a lasting belief would never correct). Their measured cost (`spent`) is kept
+    within `share` of the time the engine spends in steps without drafts (each step's
+    `step_time`: the engine's own time, so idle time or other work in the process earns no
+    explorations), so a drafter that never pays costs plain decoding at most that share, as
+    long as an exploration costs at most `share` x `max_wait` plain steps (2.5 here; beyond that
+    one every `max_wait` steps).
+
+    Bounded recovery: an exploration comes at least every `max_wait` steps (every `every` at a
+    normal exploration's cost), and each one times a verify step of its own size and a draft
+    phase of K steps. `StepCosts` keeps medians of the latest `verify_window` timings per size
+    and fits the draft phase to its latest phases less outliers, and re-calibrates both after
+    `recalibrate_after` timings in a row that disagree with them (`DraftGuard` its errors
+    likewise): a wrong belief, however it was formed, is replaced by current timings after 3
+    explorations, and the rule drafts again where drafting pays (about 300 steps after a burst
+    of 5x-slow steps, `tests/test_adaptive_recovery.py`). The
+    explored request is the one whose exploration costs least (`catch_up`: e.g. the history
+    rows a drafter must first write for it, since it last drafted); its acceptance also moves
+    the engine-wide prior, so one request an exploration is enough, and a batch never pays
+    every request's catch-up at once."""
 
     every: int = PROBE_EVERY
     steps: int = 0
     due: int = PROBE_EVERY
     share: float = 0.02
-    allowance: float = 0.0  # seconds of probing earned (share x step time) minus spent
-    probing: bool = False  # the last `apply` chose a probe
+    allowance: float = 0.0  # seconds of exploring earned (share x step time) minus spent
+    probing: bool = False  # the last `apply` chose an exploration
+    count: int = 0  # explorations so far (reported)
+    # However much an exploration cost, the next comes within this many steps: one measured
+    # during a burst (5x its cost) otherwise put off the next by 5x, and recovery with it.
+    max_wait: int = 4 * PROBE_EVERY
+    _step_time: float = 0.0  # the last step's (plain) time
 
     def apply(
         self,
@@ -473,22 +626,23 @@ class Probes:
         self.steps += 1
         self.probing = False
         if any(ks):
-            self.every = PROBE_EVERY
             return ks
         self.allowance += self.share * step_time
+        self._step_time = step_time
         if self.steps < self.due or not any(budgets) or self.allowance < 0:
             return ks
         self.due = self.steps + self.every
-        self.every = min(2 * self.every, 16 * PROBE_EVERY)
         self.probing = True
+        self.count += 1
         cost = catch_up if catch_up is not None else [0] * len(budgets)
         chosen = min((c, i) for i, (c, b) in enumerate(zip(cost, budgets, strict=True)) if b)[1]
-        return [int(i == chosen) for i in range(len(budgets))]
+        return [b if i == chosen else 0 for i, b in enumerate(budgets)]
 
     def spent(self, seconds: float) -> None:
-        """The probe just made cost `seconds` (beyond a plain step): the next waits until the
-        steps since have earned it back."""
-        self.allowance = min(self.allowance, 0.0) - seconds
+        """The exploration just made cost `seconds` (beyond a plain step): the next waits until
+        the steps since have earned it back, or `max_wait` steps have passed."""
+        debt = self.share * self.max_wait * self._step_time
+        self.allowance = max(min(self.allowance, 0.0) - seconds, -debt)
 
 
 def batch_bucket(batch: int) -> int:
@@ -510,6 +664,7 @@ class _Arms:
     tokens: list[float] = field(default_factory=lambda: [0.0, 0.0])
     seen: list[int] = field(default_factory=lambda: [0, 0])
     since: list[int] = field(default_factory=lambda: [0, 0])
+    off: list[int] = field(default_factory=lambda: [0, 0])  # `disagreements` with the error
 
     def error(self, arm: int) -> float:
         """Measured over predicted seconds: the cost model's error for the arm's steps."""
@@ -557,6 +712,12 @@ class DraftGuard:
     arms: dict[int, _Arms] = field(default_factory=dict)
     pending: tuple[int, int] | None = None  # (class, arm) of the last decision, not yet measured
     vetoed: int = 0  # decisions against the rule's drafts (reported)
+    # An arm whose error is measured `recalibrate_after` times in a row off its average by
+    # more than `disagree` times, the same way, starts again from them (a burst of slow steps
+    # once kept drafting vetoed for 700 steps, in `tests/test_adaptive_recovery.py`).
+    recalibrate_after: int = 3
+    disagree: float = 1.5
+    recalibrations: int = 0  # (reported)
 
     def decide(self, batch: int, drafting: bool, gain: float) -> bool:
         """Whether the step drafts as the rule chose (`drafting`, predicted `gain` = goodput over
@@ -596,6 +757,12 @@ class DraftGuard:
         if batch_bucket(batch) != key or predicted <= 0:
             return
         a = self.arms.setdefault(key, _Arms())
+        if a.seen[arm]:  # re-calibrated after `recalibrate_after` errors in a row off its own
+            ratio = seconds / predicted / a.error(arm)
+            a.off[arm] = disagreements(a.off[arm], ratio, self.disagree)
+            if abs(a.off[arm]) >= self.recalibrate_after:
+                a.seen[arm] = a.off[arm] = 0
+                self.recalibrations += 1
         w = running_weight(self.weight, a.seen[arm] + 1)
         a.seconds[arm] += w * (seconds - a.seconds[arm])
         a.predicted[arm] += w * (predicted - a.predicted[arm])
@@ -692,8 +859,11 @@ class AdaptiveLengths:
             f"drafts per request-step {shares} (0..{self.k_max}), mean {mean:.2f}; drafting "
             f"{1e3 * c.draft_base:.2f} ms + {1e3 * c.draft_step:.2f} ms per step + "
             f"{1e3 * c.draft_each:.3f} ms per draft, target step "
-            f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token; steps whose "
-            f"drafts were vetoed by measurement {self.guard.vetoed}"
+            f"{1e3 * c.base:.2f} ms + {1e3 * c.per_token:.3f} ms per token (medians of "
+            f"{len(c._verify)} step sizes; draft phases set aside as outliers "
+            f"{c.draft_outliers}; re-calibrations {c.recalibrations + self.guard.recalibrations}"
+            f"); explorations {self.probes.count}; steps whose drafts were vetoed by measurement "
+            f"{self.guard.vetoed}"
         )
 
 
