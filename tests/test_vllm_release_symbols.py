@@ -100,3 +100,14 @@ def test_a_changed_signature_or_missing_symbol_is_caught(tmp_path):
     fn_required = ast.parse("def f(a, x, b): pass").body[0]
     assert isinstance(fn_required, ast.FunctionDef)
     assert "new required" in _check_params(fn_required, ("a", "b"))
+
+
+def test_each_release_is_checked_for_its_own_path():
+    """`since` / `until` mirror what the releases hold: the V1 runner the patches use is gone
+    from 0.34, and 0.32 has no speculator registry; neither is looked for where it is absent."""
+    v1_runner = next(s for s in SYMBOLS if s.qualname == "GPUModelRunner.propose_draft_token_ids")
+    registry = next(s for s in SYMBOLS if s.qualname == "register_speculative_method")
+    assert check_symbol(Source(_shipped("0.34.0")), v1_runner) == "file missing"
+    assert check_symbol(Source(_installed()), registry) == "file missing"
+    assert v1_runner not in wanted("0.34.0") and v1_runner in wanted("0.33.0")
+    assert registry in wanted("0.34.0") and registry not in wanted("0.33.0")
