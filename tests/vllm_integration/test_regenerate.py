@@ -7,6 +7,7 @@ One engine serves every run (the CLI makes its own: `VllmGenerator(config)`, as 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,11 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_regenerate_through_vllm(tmp_path, tiny_target_dir):
+def test_regenerate_through_vllm(tmp_path, tiny_target_dir, monkeypatch):
+    # The generator sets vLLM's CPU settings in the environment when they are not set: pinned
+    # here, so that they are restored for the tests after this one.
+    for name, default in (("VLLM_CPU_KVCACHE_SPACE", "1"), ("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")):
+        monkeypatch.setenv(name, os.environ.get(name, default))
     from transformers import AutoTokenizer
     from vllm import SamplingParams
 

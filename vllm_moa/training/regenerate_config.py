@@ -90,7 +90,8 @@ class RegenerateConfig:
         metadata={
             "min": 1,
             "help": "vLLM on CPU: KV cache GiB (sets VLLM_CPU_KVCACHE_SPACE; default: the "
-            "environment's, else vLLM's)",
+            "environment's, else 4: vLLM's own sizing refuses to start where 0.92 of the "
+            "memory is not free)",
         },
     )
     enforce_eager: bool = field(

