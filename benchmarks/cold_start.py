@@ -1,7 +1,7 @@
 """Adaptive speculation after a loaded start-up: fresh MoA servers whose start-up (compilation,
 first calls) runs beside processes that load every core, against fixed K and plain decoding.
 
-    python -m benchmarks.cold_start [--rounds 5] [--out benchmarks/results/cold_start/cold_start]
+    python -m benchmarks.cold_start [--rounds 5] [--out benchmarks/results/cold_start/NAME.json]
 
 The quick start's pair (`vllm_moa.demo.ensure_demo_models`). One plain server and one MoA server
 at a fixed K (`"moa_adaptive": false`) are started on a quiet machine; then, `--rounds` times, a
@@ -11,23 +11,23 @@ the plain one as the quick start measures (examples/compare_servers.py: the 4 pr
 greedy, alternating rounds), so each adaptive round's speed-up is comparable with fixed K's.
 The adaptive rule's last log line (its calibrated costs, explorations, re-calibrations) is kept
 per round. A new user's quick start met the lockout this measures (0.95x plain, 5 drafts in 12
-requests, where fixed K gave about 1.8x). Writes JSON + PNG (config, git SHA, machine).
+requests, where fixed K gave about 1.8x). Writes JSON + PNG (config, git SHA, machine); the
+servers' logs go to a temporary folder, named in the JSON's config.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
-import platform
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.serve_sweep import Server
+from benchmarks.testbed.report import add_out_argument, save_json
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from compare_servers import compare
@@ -47,9 +47,7 @@ def _last_rule_line(log: Path) -> str | None:
     return lines[-1].split(RULE_LOG, 1)[1].strip() if lines else None
 
 
-def measure(
-    name: str, server: Server, plain: Server, args: argparse.Namespace, out: Path
-) -> dict[str, Any]:
+def measure(name: str, server: Server, plain: Server, args: argparse.Namespace) -> dict[str, Any]:
     result = compare(
         {"plain": plain.base, "moa": server.base}, list(PROMPTS), args.max_tokens, args.rounds_each
     )
@@ -66,7 +64,6 @@ def measure(
     time.sleep(1)
     row["rule"] = _last_rule_line(server.log)
     print(f"{name}: {row['speedup']:.2f}x plain, tau {row['tau']}, drafts {row['drafts']}")
-    (out.parent / f"{out.name}-{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     return row
 
 
@@ -76,22 +73,22 @@ def main() -> None:
     p.add_argument("--rounds-each", type=int, default=3, help="compare_servers rounds per server")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)
+    p.add_argument("--max-model-len", type=int, default=512, help="the demo pair's context")
     p.add_argument("--burners", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--out", default="benchmarks/results/cold_start/cold_start")
+    add_out_argument(p, "cold_start", type=Path)
     args = p.parse_args()
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     target, drafter = (str(x) for x in ensure_demo_models())
     spec = {"method": "moa", "model": drafter, "num_speculative_tokens": args.k}
-    logs = out.parent / "logs"
-    logs.mkdir(exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="cold_start-"))
     rows = []
-    plain = Server(target, None, logs / "plain.log", 2048)
+    plain = Server(target, None, logs / "plain.log", args.max_model_len)
     try:
-        fixed = Server(target, spec | {"moa_adaptive": False}, logs / "fixed.log", 2048)
+        fixed = Server(
+            target, spec | {"moa_adaptive": False}, logs / "fixed.log", args.max_model_len
+        )
         try:
-            rows.append(measure("fixed", fixed, plain, args, out))
+            rows.append(measure("fixed", fixed, plain, args))
         finally:
             fixed.stop()
         for r in range(args.rounds):
@@ -102,13 +99,13 @@ def main() -> None:
                 b.start()
             began = time.time()
             try:
-                server = Server(target, spec, logs / f"adaptive-{r}.log", 2048)
+                server = Server(target, spec, logs / f"adaptive-{r}.log", args.max_model_len)
             finally:
                 for b in burners:
                     b.terminate()
             startup = time.time() - began
             try:
-                row = measure(f"adaptive-{r}", server, plain, args, out)
+                row = measure(f"adaptive-{r}", server, plain, args)
                 row["startup_s"] = startup
                 rows.append(row)
             finally:
@@ -117,29 +114,22 @@ def main() -> None:
         plain.stop()
     fixed_speedup = rows[0]["speedup"]
     adaptive = [r["speedup"] for r in rows[1:]]
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    record = {
-        "config": vars(args) | {"target": target, "drafter": drafter, "prompts": list(PROMPTS)},
-        "git_sha": sha.strip(),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-            "cpus": os.cpu_count(),
-        },
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "rows": rows,
+    config = vars(args) | {"target": target, "drafter": drafter, "logs": str(logs)}
+    report = {
+        "config": config | {"prompts": list(PROMPTS)},
+        "results": rows,
         "fixed_speedup": fixed_speedup,
         "adaptive_speedups": adaptive,
         # each fresh adaptive server's speed-up over fixed K's (the issue's >= 0.9 each)
         "adaptive_over_fixed": [a / fixed_speedup for a in adaptive],
     }
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    _plot(record, out.with_suffix(".png"))
-    worst = min(record["adaptive_over_fixed"]) if adaptive else float("nan")
+    full = save_json(args.out, "cold_start", report)
+    _plot(full, args.out.with_suffix(".png"))
+    worst = min(report["adaptive_over_fixed"]) if adaptive else float("nan")
     print(
         f"fixed K: {fixed_speedup:.2f}x plain; adaptive after a loaded start-up: "
         f"{', '.join(f'{a:.2f}x' for a in adaptive)} (worst {worst:.2f} of fixed K's); "
-        f"wrote {out.with_suffix('.json')}"
+        f"wrote {args.out}"
     )
 
 
@@ -149,7 +139,7 @@ def _plot(record: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = record["rows"]
+    rows = record["results"]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["arm"] for r in rows]
     ax.bar(range(len(rows)), [r["speedup"] for r in rows], color=["C1"] + ["C0"] * (len(rows) - 1))

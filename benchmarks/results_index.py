@@ -109,6 +109,9 @@ def _figures(data: dict[str, Any]) -> dict[str, Any]:
     elif kind == "rule_overhead":
         for r in rows:
             out[f"{r['arm']}@b{r['batch']}/us"] = _num(r["us_per_step"])
+    elif kind == "cold_start":
+        for r in rows:
+            out[f"{r['arm']}/vs_plain"] = _num(r["speedup"])
     elif kind == "draft_profile":
         for r in rows:
             if "c" in r:
@@ -256,6 +259,7 @@ MEASURES = {
     "draft_cost": "drafting cost inside vLLM per generated token against context length",
     "draft_profile": "a draft phase inside vLLM split into its parts: MoA vs vLLM's EAGLE(-3)",
     "rule_overhead": "adaptive speculation's host time a step against the batch size (no model)",
+    "cold_start": "adaptive speculation after a start-up beside CPU burners, vs fixed K and plain",
     "hsd": "hierarchical speculative decoding: the planner's stack vs single drafters",
     "kernels_aot": "the Triton kernels compiled for sm_90 / sm_80 without a GPU: resources",
     "kernels": "the Triton kernels' correctness and timing on a GPU",
