@@ -58,6 +58,7 @@ import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import median
 
 ADAPTIVE_ENV = "VLLM_MOA_ADAPTIVE"
 
@@ -226,7 +227,7 @@ class StepCosts:
       size, b is the prefill steps' cost per token (0 without any). b never exceeds what the
       steps timed say is possible: a step of n tokens costs at least n * b (a >= 0), and at
       most twice the prefill steps' median time per token.
-    - The draft phase is fitted by least squares to the latest `draft_window` phases, less
+    - The draft phase is fitted by least squares to the latest 2 / `forget` phases, less
       those whose time is off the fit's by more than `outlier` times the median ratio: a
       minority of slow phases is set aside at once, and a change that lasts is adopted once it
       is the majority. Each of e and r is fitted only once its regressor has varied apart from
@@ -282,7 +283,7 @@ class StepCosts:
             window = deque(maxlen=self.verify_window)
         off = self._verify_off.get(tokens, 0)
         if len(window) >= self.recalibrate_after:
-            off = self._off(off, seconds / max(_median(window), 1e-12))
+            off = disagreements(off, seconds / max(median(window), 1e-12), self.disagree)
         window.append(seconds)
         if abs(off) >= self.recalibrate_after:
             for _ in range(len(window) - self.recalibrate_after):
@@ -298,11 +299,8 @@ class StepCosts:
         self.largest = float(max(self._verify))
         self._fit_verify()
 
-    def _off(self, count: int, ratio: float) -> int:
-        return disagreements(count, ratio, self.disagree)
-
     def _fit_verify(self) -> None:
-        medians = {n: _median(w) for n, w in self._verify.items()}  # at most 9 timings each
+        medians = {n: median(w) for n, w in self._verify.items()}  # at most 9 timings each
         sizes = sorted(medians)
         if len(sizes) >= 2:
             slopes = [
@@ -320,7 +318,7 @@ class StepCosts:
         if self.prefill_per_token:
             bound = min(bound, 2.0 * self.prefill_per_token)
         self.per_token = min(max(b, 0.0), bound)
-        self.base = max(_median([medians[n] - self.per_token * n for n in sizes]), 0.0)
+        self.base = max(median([medians[n] - self.per_token * n for n in sizes]), 0.0)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A step with prompt tokens (`tokens` in all): its time per token over the verify base
@@ -333,7 +331,7 @@ class StepCosts:
         if tokens <= self.largest:
             return
         self._prefill.append((tokens, seconds))
-        self.prefill_per_token = _median([max(s - self.base, 0.0) / t for t, s in self._prefill])
+        self.prefill_per_token = median([max(s - self.base, 0.0) / t for t, s in self._prefill])
         if self._verify:
             self._fit_verify()
 
@@ -358,7 +356,9 @@ class StepCosts:
         x = (1.0, float(steps), float(steps if drafts is None else drafts), float(rows))
         if len(self._phases) >= self.recalibrate_after:
             believed = self.draft_time(steps, int(x[2]), rows)
-            self._draft_off = self._off(self._draft_off, seconds / max(believed, 1e-12))
+            self._draft_off = disagreements(
+                self._draft_off, seconds / max(believed, 1e-12), self.disagree
+            )
         products = [x[i] * x[j] for i in range(4) for j in range(i, 4)]
         products += [xi * seconds for xi in x]
         self._phases.append((x, seconds, products))
@@ -381,7 +381,7 @@ class StepCosts:
         # Phases off the fit by more than `outlier` x the median ratio are set aside.
         c, d, e, r = self.draft_base, self.draft_step, self.draft_each, self.draft_row
         ratios = [s / max(c + d * x[1] + e * x[2] + r * x[3], 1e-12) for x, s, _ in self._phases]
-        mid = _median(ratios)
+        mid = median(ratios)
         low, high = mid / self.outlier, mid * self.outlier
         out = [p for p, q in zip(self._phases, ratios, strict=True) if not low <= q <= high]
         if out:
@@ -472,12 +472,6 @@ def disagreements(count: int, ratio: float, factor: float) -> int:
     if ratio * factor < 1.0:
         return min(count, 0) - 1
     return 0
-
-
-def _median(values: Sequence[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else 0.5 * (s[mid - 1] + s[mid])
 
 
 def _weighted_median(pairs: Sequence[tuple[float, float]]) -> float:
