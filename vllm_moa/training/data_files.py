@@ -68,14 +68,20 @@ def read_lines(path: Path) -> Iterator[str]:
         yield from f
 
 
-def _jsonl_records(path: Path) -> Iterator[Record]:
+def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(line number from 1, value) of each non-blank line of a JSON-lines file (gzip or not);
+    a line that is not JSON raises ValueError naming the file and line."""
     for n, line in enumerate(read_lines(path), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield n, json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{n} is not valid JSON: {e}") from None
+
+
+def _jsonl_records(path: Path) -> Iterator[Record]:
+    for n, record in read_jsonl(path):
         yield parse_record(record, f"{path}:{n}")
 
 

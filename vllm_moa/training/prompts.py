@@ -17,13 +17,12 @@ line (from 0): the same file gives the same ids, so a resumed run knows what it 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from vllm_moa.training.data_files import read_lines
+from vllm_moa.training.data_files import read_jsonl
 
 Layout = Literal["turns", "humaneval", "question", "messages", "prompt"]
 EVALUATION_LAYOUTS: frozenset[str] = frozenset({"turns", "humaneval"})
@@ -87,18 +86,12 @@ def read_prompt_file(path: Path) -> PromptFile:
 
 def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(line index from 0, record) of each non-blank line."""
-    for i, line in enumerate(read_lines(path)):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i + 1} is not valid JSON: {e}") from None
+    for n, record in read_jsonl(path):
         if not isinstance(record, dict):
             raise ValueError(
-                f"{path}:{i + 1}: a record must be a JSON object, got {type(record).__name__}"
+                f"{path}:{n}: a record must be a JSON object, got {type(record).__name__}"
             )
-        yield i, record
+        yield n - 1, record
 
 
 def _layout(record: dict[str, Any], where: str) -> Layout:
